@@ -1,0 +1,130 @@
+"""sntf: Superneurons-style memory management for TensorFlow 2.
+
+    import sntf
+    sntf.enable(policy="off")       # or SNTF_POLICY=... in the environment
+    model.fit(...)                  # unchanged
+    sntf.reports()                  # what the pass did to each graph
+
+See README.md for what each policy does and which are implemented.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from sntf import config
+from sntf.config import Budget, parse_budget, parse_policy
+
+__version__ = "0.1.0"
+__all__ = ["enable", "disable", "enabled", "reports", "stats", "Budget",
+           "parse_budget", "parse_policy", "__version__"]
+
+logger = logging.getLogger("sntf")
+_enable_lock = threading.Lock()
+
+
+def enable(policy: str = "auto", budget: config.Budgetish = None,
+           **options: Any) -> None:
+    """Turns sntf on for every graph TensorFlow builds from now on.
+
+    Loads the op library and registers the Grappler plugin (once per
+    process); calling it again only changes the switch.
+
+    Args:
+      policy: "off" (plugin loaded, graphs untouched), "recompute", "swap",
+        "swap+recompute" or "auto".
+      budget: device-memory budget: bytes, a string such as "12GB" or
+        "512MiB", a fraction of device memory in (0, 1], or None.
+      **options: see sntf.config.Options (identity_rewrite, batch_size,
+        host_pool_limit, max_reports).
+
+    Raises:
+      ValueError: a malformed policy, budget or option value.
+      TypeError: an unknown option.
+      NotImplementedError: a policy whose capability is not built yet.
+      RuntimeError: the plugin could not be registered (another graph plugin).
+    """
+    name = config.parse_policy(policy)
+    parsed_budget = config.parse_budget(budget)
+    parsed_options = config.parse_options(options)
+    config.require_implemented(name)
+    if parsed_budget is not None and parsed_budget.bytes is not None:
+        memory = config.device_memory_bytes()
+        if parsed_budget.bytes > memory:
+            logger.warning("sntf: budget %d bytes exceeds device memory (%d bytes);"
+                           " it can never bind", parsed_budget.bytes, memory)
+    with _enable_lock:
+        from sntf import _native, plugin
+
+        _native.load_ops()
+        if parsed_options.host_pool_limit is not None:
+            _native.set_host_pool_limit(parsed_options.host_pool_limit)
+        plugin.ensure_loaded()
+        config.set_state(config.State(enabled=True, policy=name,
+                                      budget=parsed_budget, options=parsed_options))
+
+
+def disable() -> None:
+    """Turns sntf off: graphs built from now on are handed back untouched.
+
+    The plugin stays registered (TensorFlow cannot unregister it); graphs
+    already rewritten keep running as rewritten.
+    """
+    with _enable_lock:
+        config.set_state(config.State(enabled=False))
+
+
+def enabled() -> bool:
+    """Whether the pass currently acts on graphs."""
+    return config.current().enabled
+
+
+def reports() -> list[dict]:
+    """One dict per graph Grappler handed to sntf, oldest first.
+
+    Keys include graph, training, nodes, action, reason, policy,
+    predicted_peak_bytes, planned_peak_bytes, lower_bound_bytes,
+    pass_seconds, swapped, recomputed (None where not yet known), and
+    invocations (how often Grappler handed this graph over).
+    """
+    from sntf import plugin
+
+    return plugin.reports()
+
+
+def stats() -> dict:
+    """Runtime statistics of the host tensor pool and the swap kernels.
+
+    Returns:
+      {"pool": {...bytes_in_use, peak_bytes_in_use, bytes_reserved,
+      limit_bytes, num_allocs, largest_free_block, fragmentation...},
+      "swap": {swap_out_ops, swap_in_ops, bytes_to_host, bytes_to_device,
+      failed_ops}, "plugin": {calls, passthrough, native_errors, ...}}
+    """
+    from sntf import _native
+
+    result = {"pool": _native.pool_stats(), "swap": _native.swap_stats()}
+    try:
+        from sntf import plugin
+
+        counters = dict(plugin._shim().counters())
+        counters["registered"] = plugin.registered_path()
+        result["plugin"] = counters
+    except ImportError:
+        result["plugin"] = None
+    return result
+
+
+def _enable_from_environment() -> None:
+    """Honours SNTF_POLICY / SNTF_BUDGET at import, with no code change."""
+    settings = config.from_environment()
+    if settings is not None:
+        policy, budget = settings
+        enable(policy=policy,
+               budget=None if budget is None else
+               (budget.bytes if budget.bytes is not None else budget.fraction))
+
+
+_enable_from_environment()

@@ -1,0 +1,378 @@
+"""Graph model: an index over a GraphDef and structural training detection.
+
+Pure functions over plain data: a GraphDef (protobuf message, never mutated)
+in, plain Python structures out. Nothing here runs TensorFlow.
+
+Training graphs are recognized by the structure of reverse-mode
+differentiation, never by node names (Grappler's CSE shares nodes between
+`gradient_tape/` and forward scopes): a variable V is *trained* when some op F
+consumes a value derived from V together with another activation x, and an op
+G that also consumes x lies downstream of F and upstream of an update of V.
+That G is the weight gradient (dW = x^T dy, Conv2DBackpropFilter(x, dy), a
+sparse update keyed by the ids): a forward-only graph has no update of V
+downstream of F, and a metrics update never depends on V's own read.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Iterable, Optional, Sequence
+
+from sntf import names
+
+CONST_OPS = frozenset({"Const", "HostConst"})
+# Ops that write a variable. Matched by type, plus the prefixes below.
+UPDATE_OPS = frozenset({
+    "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+    "Assign", "AssignAdd", "AssignSub",
+})
+UPDATE_OP_PREFIXES = ("ResourceApply", "ResourceSparseApply", "ResourceScatter",
+                      "Apply", "SparseApply", "Scatter")
+# Single-value ops through which a variable's read stays "the variable".
+PASS_THROUGH_OPS = frozenset({"Identity", "Cast", "Reshape", "Transpose",
+                              "ExpandDims", "Squeeze", "Snapshot", "IdentityN"})
+# Ops of TF1-style control flow: frames the pass does not model.
+CONTROL_FLOW_OPS = frozenset({"Enter", "Exit", "Merge", "Switch", "NextIteration",
+                              "LoopCond", "RefEnter", "RefExit", "RefMerge",
+                              "RefSwitch", "RefNextIteration"})
+FUNCTIONAL_CONTROL_FLOW_OPS = frozenset({"While", "StatelessWhile", "If",
+                                         "StatelessIf", "Case", "StatelessCase"})
+# Upper bound on variables examined by training detection, so that the pass
+# stays fast on graphs with thousands of variables; the first few trained
+# variables are found long before this.
+MAX_VARIABLES_EXAMINED = 256
+
+
+class GraphError(ValueError):
+    """The GraphDef is malformed in a way the pass cannot model."""
+
+
+def is_update_op(op: str) -> bool:
+    """Whether an op type writes a variable."""
+    return op in UPDATE_OPS or op.startswith(UPDATE_OP_PREFIXES)
+
+
+def parse_input(text: str) -> tuple[str, int, bool]:
+    """Parses a NodeDef input string.
+
+    Args:
+      text: "node", "node:2" or "^node".
+
+    Returns:
+      (producer name, output port, is_control); the port of a control input is -1.
+    """
+    if text.startswith("^"):
+        return text[1:], -1, True
+    name, sep, port = text.rpartition(":")
+    if sep and port.isdigit():
+        return name, int(port), False
+    return text, 0, False
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphIndex:
+    """Read-only adjacency over a GraphDef's nodes, addressed by position.
+
+    Attributes:
+      names, ops, devices: per node.
+      data_inputs: per node, (producer index, port) of each data input in order.
+      control_inputs: per node, producer indices of control inputs.
+      consumers: per node, (consumer index, input slot, port) of data edges.
+      control_consumers: per node, indices of nodes with a control edge from it.
+      topo: a topological order (NextIteration back edges ignored).
+      fetch, preserve: indices of fetch and nodes-to-preserve that exist.
+      has_cycles: whether a cycle remained besides NextIteration back edges.
+    """
+
+    names: tuple[str, ...]
+    ops: tuple[str, ...]
+    devices: tuple[str, ...]
+    index: dict
+    data_inputs: tuple[tuple[tuple[int, int], ...], ...]
+    control_inputs: tuple[tuple[int, ...], ...]
+    consumers: tuple[tuple[tuple[int, int, int], ...], ...]
+    control_consumers: tuple[tuple[int, ...], ...]
+    topo: tuple[int, ...]
+    fetch: frozenset
+    preserve: frozenset
+    has_cycles: bool
+    sntf_nodes: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def node(self, name: str) -> int:
+        """Index of the node called `name`."""
+        return self.index[name]
+
+
+def build_index(graph_def, fetch: Iterable[str] = (),
+                preserve: Iterable[str] = ()) -> GraphIndex:
+    """Builds a GraphIndex.
+
+    Args:
+      graph_def: a tensorflow GraphDef message (not modified).
+      fetch: names of fetch nodes ("node" or "node:port").
+      preserve: names of nodes that must be preserved.
+
+    Returns:
+      The index.
+
+    Raises:
+      GraphError: duplicate node names or inputs naming missing nodes.
+    """
+    nodes = graph_def.node
+    index: dict = {}
+    for i, node in enumerate(nodes):
+        if node.name in index:
+            raise GraphError(f"duplicate node name {node.name!r}")
+        index[node.name] = i
+    n = len(nodes)
+    data_inputs, control_inputs = [], []
+    consumers = [[] for _ in range(n)]
+    control_consumers = [[] for _ in range(n)]
+    for i, node in enumerate(nodes):
+        data, control = [], []
+        for text in node.input:
+            name, port, is_control = parse_input(text)
+            producer = index.get(name)
+            if producer is None:
+                raise GraphError(f"node {node.name!r} reads missing node {name!r}")
+            if is_control:
+                control.append(producer)
+                control_consumers[producer].append(i)
+            else:
+                consumers[producer].append((i, len(data), port))
+                data.append((producer, port))
+        data_inputs.append(tuple(data))
+        control_inputs.append(tuple(control))
+    ops = tuple(node.op for node in nodes)
+    topo, has_cycles = _topological_order(ops, data_inputs, control_inputs,
+                                          consumers, control_consumers)
+
+    def existing(names_: Iterable[str]) -> frozenset:
+        return frozenset(index[parse_input(x)[0]] for x in names_
+                         if parse_input(x)[0] in index)
+
+    return GraphIndex(
+        names=tuple(node.name for node in nodes), ops=ops,
+        devices=tuple(node.device for node in nodes), index=index,
+        data_inputs=tuple(data_inputs), control_inputs=tuple(control_inputs),
+        consumers=tuple(tuple(c) for c in consumers),
+        control_consumers=tuple(tuple(c) for c in control_consumers),
+        topo=tuple(topo), fetch=existing(fetch), preserve=existing(preserve),
+        has_cycles=has_cycles,
+        sntf_nodes=tuple(i for i, node in enumerate(nodes) if names.role_of(node)))
+
+
+def _topological_order(ops, data_inputs, control_inputs, consumers,
+                       control_consumers) -> tuple[list[int], bool]:
+    """Kahn's algorithm, lowest index first among ready nodes (stable)."""
+    import heapq
+
+    n = len(ops)
+    back_edge_sources = {i for i in range(n) if ops[i] in ("NextIteration",
+                                                           "RefNextIteration")}
+    indegree = [0] * n
+    for i in range(n):
+        preds = [p for p, _ in data_inputs[i]] + list(control_inputs[i])
+        indegree[i] = sum(1 for p in preds if p not in back_edge_sources)
+    ready = [i for i in range(n) if indegree[i] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        if i in back_edge_sources:
+            successors = []
+        else:
+            successors = [c for c, _, _ in consumers[i]] + list(control_consumers[i])
+        for c in successors:
+            indegree[c] -= 1
+            if indegree[c] == 0:
+                heapq.heappush(ready, c)
+    has_cycles = len(order) != n
+    if has_cycles:
+        seen = set(order)
+        order.extend(i for i in range(n) if i not in seen)
+    return order, has_cycles
+
+
+def ancestors(g: GraphIndex, starts: Iterable[int], control: bool = True,
+              state: bool = False) -> set:
+    """All nodes with a path to any of `starts` (the starts included).
+
+    Args:
+      g: the graph index.
+      starts: node indices.
+      control: follow every control edge.
+      state: follow control edges from variable updates only: a read ordered
+        after a write of the same state depends on the written value (Adam's
+        slots are written, then read to update the weight).
+
+    Returns:
+      The set of ancestor indices.
+    """
+    seen = set(starts)
+    stack = list(seen)
+    while stack:
+        i = stack.pop()
+        preds = [p for p, _ in g.data_inputs[i]]
+        if control:
+            preds += g.control_inputs[i]
+        elif state:
+            preds += [p for p in g.control_inputs[i] if is_update_op(g.ops[p])]
+        for p in preds:
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return seen
+
+
+def descendants(g: GraphIndex, starts: Iterable[int], within: Optional[set] = None,
+                control: bool = False) -> set:
+    """All nodes reachable from `starts` (included), optionally inside `within`."""
+    seen = set(starts)
+    stack = list(seen)
+    while stack:
+        i = stack.pop()
+        succs = [c for c, _, _ in g.consumers[i]]
+        if control:
+            succs += g.control_consumers[i]
+        for c in succs:
+            if c not in seen and (within is None or c in within):
+                seen.add(c)
+                stack.append(c)
+    return seen
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingInfo:
+    """Result of training detection.
+
+    Attributes:
+      training: whether the graph computes gradients that update variables.
+      reason: one line saying why.
+      trained_variables: names of handle nodes whose updates consume a weight
+        gradient (those found before detection stopped).
+      gradient_ops: names of the weight-gradient ops found (the G's).
+      updated_variables: number of distinct variable handles written.
+    """
+
+    training: bool
+    reason: str
+    trained_variables: tuple[str, ...] = ()
+    gradient_ops: tuple[str, ...] = ()
+    updated_variables: int = 0
+
+
+def _variable_derived(g: GraphIndex, reads: Sequence[int]) -> set:
+    """Nodes whose value is the variable itself: reads and pass-through ops."""
+    derived = set(reads)
+    stack = list(reads)
+    while stack:
+        i = stack.pop()
+        for c, _, _ in g.consumers[i]:
+            if c in derived or g.ops[c] not in PASS_THROUGH_OPS:
+                continue
+            others = [p for p, _ in g.data_inputs[c]
+                      if p not in derived and g.ops[p] not in CONST_OPS]
+            if not others:
+                derived.add(c)
+                stack.append(c)
+    return derived
+
+
+def _gradient_of(g: GraphIndex, handle: int, readers: Sequence[int],
+                 update_ancestors: set) -> Optional[int]:
+    """Finds a weight-gradient op for the variable behind `handle`, or None."""
+    derived = _variable_derived(g, readers)
+    for d in derived:
+        for f, _, _ in g.consumers[d]:
+            if f in derived or f not in update_ancestors:
+                continue
+            activations = {p for p, _ in g.data_inputs[f]
+                           if p not in derived and p != handle
+                           and g.ops[p] not in CONST_OPS}
+            if not activations:
+                continue
+            downstream = None
+            for x in activations:
+                for gop, _, _ in g.consumers[x]:
+                    if gop == f or gop not in update_ancestors:
+                        continue
+                    if downstream is None:
+                        downstream = descendants(g, [f], within=update_ancestors)
+                    if gop in downstream:
+                        return gop
+    return None
+
+
+def detect_training(g: GraphIndex) -> TrainingInfo:
+    """Decides structurally whether a graph is a training step.
+
+    Args:
+      g: the graph index.
+
+    Returns:
+      A TrainingInfo.
+    """
+    readers = collections.defaultdict(list)
+    updates = collections.defaultdict(list)
+    for i, op in enumerate(g.ops):
+        if not g.data_inputs[i]:
+            continue
+        handle = g.data_inputs[i][0][0]
+        if is_update_op(op):
+            updates[handle].append(i)
+    if not updates:
+        return TrainingInfo(False, "no variable is updated")
+    for handle in updates:
+        for c, slot, _ in g.consumers[handle]:
+            if not is_update_op(g.ops[c]):
+                readers[handle].append(c)
+    # Variables with the most readers first: model weights, not counters.
+    candidates = sorted((h for h in updates if readers[h]),
+                        key=lambda h: (-len(readers[h]), h))
+    trained, gradients = [], []
+    for handle in candidates[:MAX_VARIABLES_EXAMINED]:
+        update_ancestors = ancestors(g, updates[handle], control=False, state=True)
+        gop = _gradient_of(g, handle, readers[handle], update_ancestors)
+        if gop is not None:
+            trained.append(g.names[handle])
+            gradients.append(g.names[gop])
+            break  # one trained variable settles the question
+    if trained:
+        return TrainingInfo(
+            True, f"variable {trained[0]!r} is updated from a weight gradient "
+            f"({gradients[0]!r})", tuple(trained), tuple(gradients), len(updates))
+    return TrainingInfo(False, f"{len(updates)} variable(s) updated, none from a "
+                        "gradient (metrics or state updates only)",
+                        updated_variables=len(updates))
+
+
+def control_flow_ops(g: GraphIndex) -> tuple[str, ...]:
+    """Types of control-flow ops present (TF1 frames and functional ops)."""
+    present = {op for op in g.ops
+               if op in CONTROL_FLOW_OPS or op in FUNCTIONAL_CONTROL_FLOW_OPS}
+    return tuple(sorted(present))
+
+
+def xla_compiled(graph_def) -> bool:
+    """Whether the graph is marked for XLA compilation."""
+    for node in graph_def.node:
+        for key in ("_XlaCompile", "_XlaMustCompile"):
+            if key in node.attr and node.attr[key].b:
+                return True
+    return False
+
+
+def name_hint(g: GraphIndex, limit: int = 3) -> str:
+    """A short human hint of what a graph is: its most common top-level scopes."""
+    counts = collections.Counter()
+    for name in g.names:
+        if "/" in name:
+            counts[name.split("/", 1)[0]] += 1
+    top = [scope for scope, _ in counts.most_common(limit)]
+    return ",".join(top) if top else (g.names[0] if g.names else "empty")

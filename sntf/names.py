@@ -1,0 +1,52 @@
+"""Every generated node name and marker attribute, in one place.
+
+The marker attribute on generated nodes is what makes the pass idempotent: a
+graph that already holds sntf nodes is recognized and not planned again.
+Leading-underscore attributes are allowed on any NodeDef and survive Grappler.
+"""
+
+from __future__ import annotations
+
+SCOPE = "sntf"
+# Attribute set on every node sntf creates; its string value names the role.
+MARKER_ATTR = "_sntf_role"
+ROLE_SWAP_OUT = "swap_out"
+ROLE_SWAP_IN = "swap_in"
+ROLE_RECOMPUTE = "recompute"
+ROLES = (ROLE_SWAP_OUT, ROLE_SWAP_IN, ROLE_RECOMPUTE)
+
+SWAP_OUT_OP = "SnSwapOut"
+SWAP_IN_OP = "SnSwapIn"
+
+
+def _tensor_slug(node: str, port: int) -> str:
+    return f"{node}_{port}".replace("/", "_")
+
+
+def swap_out_name(node: str, port: int) -> str:
+    """Name of the SnSwapOut node that parks output `port` of `node`."""
+    return f"{SCOPE}/swap_out/{_tensor_slug(node, port)}"
+
+
+def swap_in_name(node: str, port: int, index: int = 0) -> str:
+    """Name of the index-th SnSwapIn node that restores output `port` of `node`."""
+    return f"{SCOPE}/swap_in/{_tensor_slug(node, port)}/{index}"
+
+
+def recompute_name(node: str, index: int = 0) -> str:
+    """Name of the index-th recomputed clone of `node`."""
+    return f"{SCOPE}/recompute/{index}/{node}"
+
+
+def role_of(node_def) -> str:
+    """The sntf role of a NodeDef ('' for nodes sntf did not create)."""
+    if MARKER_ATTR not in node_def.attr:
+        return ""
+    return node_def.attr[MARKER_ATTR].s.decode("utf-8", "replace")
+
+
+def mark(node_def, role: str) -> None:
+    """Marks a NodeDef that sntf created."""
+    if role not in ROLES:
+        raise ValueError(f"unknown sntf role {role!r}; roles: {ROLES}")
+    node_def.attr[MARKER_ATTR].s = role.encode("utf-8")

@@ -1,0 +1,130 @@
+"""The graph pass: GraphDef in -> index -> training detection -> Plan -> GraphDef out.
+
+`run_pass` is a pure function of its arguments (the switch state is passed
+in). It never raises for a graph: internal failures come back as a result
+whose graph is None (meaning "leave the graph unchanged") and whose report
+says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from typing import Callable, Optional, Sequence
+
+from sntf import config, graph, planner, rewrite
+
+# Report actions.
+UNCHANGED = "unchanged"        # looked at, deliberately left as is
+REWRITTEN = "rewritten"        # a new graph went back to TensorFlow
+SKIPPED = "skipped"            # not a graph sntf acts on
+ERROR = "error"                # the pass failed; the graph went back unchanged
+
+PropertiesFn = Callable[[Sequence[str]], dict]
+
+
+@dataclasses.dataclass
+class PassResult:
+    """What the pass returns: a new GraphDef (or None for "unchanged") and a report."""
+
+    graph_def: Optional[object]
+    report: dict
+
+
+def new_report(name: str = "", nodes: int = 0) -> dict:
+    """A report with every public key present; None where not yet known."""
+    return {
+        "graph": name,
+        "training": False,
+        "nodes": nodes,
+        "action": UNCHANGED,
+        "reason": "",
+        "policy": None,
+        "predicted_peak_bytes": None,
+        "planned_peak_bytes": None,
+        "lower_bound_bytes": None,
+        "pass_seconds": 0.0,
+        "swapped": None,
+        "recomputed": None,
+        "fetch": [],
+        "devices": [],
+        "error": None,
+        "invocations": 1,
+    }
+
+
+def _finish(report: dict, start: float, graph_def=None) -> PassResult:
+    report["pass_seconds"] = time.perf_counter() - start
+    return PassResult(graph_def=graph_def, report=report)
+
+
+def run_pass(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
+             state: config.State,
+             properties: Optional[PropertiesFn] = None) -> PassResult:
+    """Runs sntf's graph pass on one serialized GraphDef.
+
+    Args:
+      graph_bytes: the serialized GraphDef Grappler handed over.
+      fetch: fetch node names.
+      preserve: nodes-to-preserve names.
+      state: the switch state (policy, budget, options) for this call.
+      properties: callable returning serialized static output properties per
+        node name; only valid during the Grappler callback. Unused until the
+        analysis stage needs shapes.
+
+    Returns:
+      A PassResult. Its graph_def is None when the graph must go back unchanged.
+    """
+    start = time.perf_counter()
+    report = new_report()
+    report["policy"] = state.policy
+    report["fetch"] = list(fetch)
+    try:
+        from tensorflow.core.framework import graph_pb2
+
+        graph_def = graph_pb2.GraphDef.FromString(graph_bytes)
+        index = graph.build_index(graph_def, fetch, preserve)
+        report["nodes"] = len(index)
+        report["graph"] = graph.name_hint(index)
+        report["devices"] = sorted({d for d in index.devices if d})
+        return _plan_and_rewrite(graph_def, index, state, report, start)
+    except Exception as e:  # noqa: BLE001 - the pass must never fail a graph
+        report["action"] = ERROR
+        report["reason"] = f"{type(e).__name__}: {e}"
+        report["error"] = traceback.format_exc(limit=8)
+        return _finish(report, start)
+
+
+def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
+                      report: dict, start: float) -> PassResult:
+    if index.sntf_nodes:
+        report["action"] = UNCHANGED
+        report["reason"] = (f"already rewritten by sntf ({len(index.sntf_nodes)} "
+                            "sntf nodes); the pass is idempotent")
+        report["training"] = True
+        return _finish(report, start)
+    info = graph.detect_training(index)
+    report["training"] = info.training
+    if not info.training:
+        report["action"] = SKIPPED
+        report["reason"] = f"not a training graph: {info.reason}"
+        return _finish(report, start)
+    if graph.xla_compiled(graph_def):
+        report["action"] = SKIPPED
+        report["reason"] = ("XLA-compiled graph: custom ops cannot run inside "
+                            "an XLA cluster, so sntf leaves it alone")
+        return _finish(report, start)
+    plan = planner.make_plan(state.policy)
+    result = rewrite.apply_plan(graph_def, plan)
+    report["swapped"] = plan.tensors(planner.SWAP)
+    report["recomputed"] = plan.tensors(planner.RECOMPUTE)
+    report["plan"] = plan.to_dict()
+    if result.modified or state.options.identity_rewrite:
+        report["action"] = REWRITTEN
+        report["reason"] = (f"training graph ({info.reason}); "
+                            + "; ".join(plan.notes or ("plan applied",)))
+        return _finish(report, start, result.graph_def)
+    report["action"] = UNCHANGED
+    report["reason"] = f"training graph ({info.reason}); " + "; ".join(plan.notes)
+    return _finish(report, start)

@@ -1,0 +1,210 @@
+"""Python side of the Grappler plugin shim.
+
+The compiled shim (sntf/_plugin*.so) calls `_optimize` for every graph
+Grappler optimizes on the CPU device type. `_optimize` reads the switch state,
+runs the pass, records one report per graph, and returns new GraphDef bytes
+or None ("leave the graph unchanged"). It never raises.
+
+Registering a second CPU graph optimizer aborts TensorFlow (a CHECK failure),
+so the library is registered at most once per process: `ensure_loaded` checks
+the process-wide marker that the shim's TF_InitGraph sets, and the shim
+itself refuses a second registration with an error status.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import importlib
+import logging
+import os
+import site
+import sys
+import threading
+from typing import Optional, Sequence
+
+from sntf import config, pipeline
+
+logger = logging.getLogger("sntf")
+
+_load_lock = threading.Lock()
+_loaded_from: Optional[str] = None
+_reports_lock = threading.Lock()
+_reports: collections.deque = collections.deque(maxlen=config.Options.max_reports)
+# Output digest -> report, so that the meta-optimizer's second iteration over
+# a graph we already handled counts as the same graph, not a new one.
+_by_digest: "collections.OrderedDict[bytes, dict]" = collections.OrderedDict()
+_logged_failures: set = set()
+
+
+def _shim():
+    return importlib.import_module("sntf._plugin")
+
+
+def _plugin_dirs() -> list[str]:
+    """site-packages/tensorflow-plugins folders TensorFlow auto-loads from."""
+    roots = [p for p in sys.path if "site-packages" in p]
+    try:
+        roots += site.getsitepackages()
+    except AttributeError:  # virtualenv's old site module
+        pass
+    dirs = {os.path.join(r, "tensorflow-plugins") for r in roots}
+    return sorted(d for d in dirs if os.path.isdir(d))
+
+
+def foreign_graph_plugins() -> list[str]:
+    """Auto-loaded libraries that register a graph optimizer and are not sntf's.
+
+    Their presence means a CPU graph optimizer may already be registered, and a
+    second one aborts TensorFlow; the file contents are searched rather than
+    loaded, so nothing runs.
+    """
+    found = []
+    for folder in _plugin_dirs():
+        for entry in sorted(os.listdir(folder)):
+            path = os.path.join(folder, entry)
+            if not entry.endswith(".so") or not os.path.isfile(path):
+                continue
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            if b"TF_InitGraph" in data and b"SNTF_PLUGIN_REGISTERED" not in data:
+                found.append(path)
+    return found
+
+
+def registered_path() -> str:
+    """Path of the sntf plugin registered in this process, or ''."""
+    return _shim().registered_path()
+
+
+def ensure_loaded() -> str:
+    """Registers the Grappler plugin once per process.
+
+    Returns:
+      The path of the registered library (possibly a copy TensorFlow
+      auto-loaded before sntf was imported).
+
+    Raises:
+      RuntimeError: another graph plugin is present, or registration failed.
+    """
+    global _loaded_from
+    with _load_lock:
+        if _loaded_from is not None:
+            return _loaded_from
+        from sntf import _native
+
+        path = _native.plugin_library_path()
+        shim = _shim()
+        owner = shim.registered_path()
+        if owner:
+            _loaded_from = owner
+            logger.info("sntf: graph plugin already registered by %s", owner)
+            return owner
+        foreign = foreign_graph_plugins()
+        if foreign:
+            raise RuntimeError(
+                "sntf: another TensorFlow graph plugin is installed ("
+                + ", ".join(foreign) + "); TensorFlow aborts the process when "
+                "two graph optimizers register for the same device type, so "
+                "sntf did not register its own. Remove that plugin to use sntf.")
+        from tensorflow.python.framework import load_library
+
+        try:
+            load_library.load_pluggable_device_library(path)
+        except Exception as e:  # noqa: BLE001 - re-raised with context below
+            owner = shim.registered_path()
+            if not owner:
+                raise RuntimeError(f"sntf: could not register the graph plugin "
+                                   f"{path}: {e}") from e
+        _loaded_from = shim.registered_path() or path
+        return _loaded_from
+
+
+def _log_once(key: str, message: str) -> None:
+    if key in _logged_failures:
+        return
+    _logged_failures.add(key)
+    logger.warning("%s", message)
+
+
+def _record(report: dict, digest: Optional[bytes], max_reports: int) -> None:
+    with _reports_lock:
+        if _reports.maxlen != max_reports:
+            _resize(max_reports)
+        _reports.append(report)
+        if digest is not None:
+            _by_digest[digest] = report
+            while len(_by_digest) > max_reports:
+                _by_digest.popitem(last=False)
+
+
+def _resize(max_reports: int) -> None:
+    global _reports
+    _reports = collections.deque(_reports, maxlen=max_reports)
+
+
+def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
+              properties=None) -> Optional[bytes]:
+    """Entry point called by the compiled shim for every graph.
+
+    Args:
+      graph_bytes: serialized GraphDef.
+      fetch: fetch node names.
+      preserve: nodes-to-preserve names.
+      properties: callable giving static output properties (valid only during
+        this call).
+
+    Returns:
+      The rewritten serialized GraphDef, or None to keep the input graph.
+    """
+    try:
+        state = config.current()
+        if not state.enabled:
+            return None
+        digest = hashlib.blake2b(graph_bytes, digest_size=16).digest()
+        with _reports_lock:
+            previous = _by_digest.get(digest)
+            if previous is not None:
+                # Our own output (or a graph left unchanged) coming back for
+                # Grappler's second iteration: the same graph, handled.
+                previous["invocations"] += 1
+                return None
+        result = pipeline.run_pass(graph_bytes, fetch, preserve, state, properties)
+        report = result.report
+        out = None
+        if result.graph_def is not None:
+            out = result.graph_def.SerializeToString()
+            digest = hashlib.blake2b(out, digest_size=16).digest()
+        if report["action"] == pipeline.ERROR:
+            _log_once(report["reason"],
+                      f"sntf: graph pass failed, graph {report['graph']!r} left "
+                      f"unchanged: {report['reason']}")
+        _record(report, digest, state.options.max_reports)
+        return out
+    except BaseException as e:  # noqa: BLE001 - nothing may escape into TensorFlow
+        try:
+            report = pipeline.new_report()
+            report["action"] = pipeline.ERROR
+            report["reason"] = f"{type(e).__name__}: {e}"
+            _log_once(report["reason"], "sntf: graph pass failed, graph left "
+                      f"unchanged: {report['reason']}")
+            _record(report, None, config.current().options.max_reports)
+        except BaseException:  # noqa: BLE001
+            pass
+        return None
+
+
+def reports() -> list[dict]:
+    """Copies of the reports, oldest first."""
+    with _reports_lock:
+        return [dict(r) for r in _reports]
+
+
+def clear_reports() -> None:
+    """Forgets all reports (the next call to a known graph is reported anew)."""
+    with _reports_lock:
+        _reports.clear()
+        _by_digest.clear()

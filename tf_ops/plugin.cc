@@ -1,0 +1,347 @@
+// sntf Grappler plugin shim.
+//
+// This one shared object is two things at once:
+//   * a TensorFlow graph plugin: it exports TF_InitGraph, so
+//     load_pluggable_device_library() (or TensorFlow's auto-load of
+//     site-packages/tensorflow-plugins/) registers a CPU graph optimizer;
+//   * a pybind11 module (sntf._plugin) with a few introspection helpers.
+//
+// The optimizer itself is Python: for every graph, the callback takes the GIL
+// and calls sntf.plugin._optimize(graph_bytes, fetch, preserve, properties).
+// The callable is looked up in sys.modules by name rather than stored in a
+// global, so that any copy of this library (auto-loaded from another path, or
+// loaded before sntf was imported) reaches the same Python pass, and so that
+// the callback never imports anything while TensorFlow is running.
+//
+// Whatever happens, the callback returns OK with either the rewritten graph or
+// the input graph unchanged: nothing reaches TensorFlow as an error or abort.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "tensorflow/c/c_api.h"
+#include "tensorflow/c/experimental/grappler/grappler.h"
+
+namespace py = pybind11;
+
+namespace sntf {
+namespace {
+
+// Environment variable that marks "an sntf graph optimizer is registered in
+// this process". Process-wide on purpose: two copies of this library have two
+// sets of globals, but one environment. Registering twice aborts TensorFlow.
+constexpr char kRegisteredEnv[] = "SNTF_PLUGIN_REGISTERED";
+constexpr char kPassModule[] = "sntf.plugin";
+constexpr char kPassFunction[] = "_optimize";
+
+std::atomic<int64_t> g_calls{0};
+std::atomic<int64_t> g_passthrough{0};
+std::atomic<int64_t> g_native_errors{0};
+std::mutex g_error_mu;
+std::string g_last_native_error;  // guarded by g_error_mu
+
+void RecordNativeError(const std::string& what) {
+  g_native_errors.fetch_add(1);
+  std::lock_guard<std::mutex> lock(g_error_mu);
+  if (g_last_native_error.empty()) {
+    // Logged once per process; the full history lives in the Python reports.
+    fprintf(stderr, "sntf: graph pass failed, graph left unchanged: %s\n",
+            what.c_str());
+  }
+  g_last_native_error = what;
+}
+
+void FreeBufferData(void* data, size_t /*length*/) { std::free(data); }
+
+// Copies bytes into a TF_Buffer that TensorFlow will free with TF_DeleteBuffer.
+bool FillBuffer(const char* data, size_t length, TF_Buffer* out) {
+  void* copy = std::malloc(length == 0 ? 1 : length);
+  if (copy == nullptr) return false;
+  if (length > 0) std::memcpy(copy, data, length);
+  if (out->data_deallocator != nullptr && out->data != nullptr) {
+    out->data_deallocator(const_cast<void*>(out->data), out->length);
+  }
+  out->data = copy;
+  out->length = length;
+  out->data_deallocator = FreeBufferData;
+  return true;
+}
+
+using NameListSizeFn = void (*)(const TF_GrapplerItem*, int*, size_t*,
+                                TF_Status*);
+using NameListFn = void (*)(const TF_GrapplerItem*, char**, size_t*, int,
+                            void*, size_t, TF_Status*);
+
+// Reads one of the item's node-name lists (fetch or nodes-to-preserve).
+bool ReadNameList(const TF_GrapplerItem* item, NameListSizeFn size_fn,
+                  NameListFn list_fn, std::vector<std::string>* names,
+                  std::string* error) {
+  std::unique_ptr<TF_Status, decltype(&TF_DeleteStatus)> status(
+      TF_NewStatus(), TF_DeleteStatus);
+  int num = 0;
+  size_t storage_size = 0;
+  size_fn(item, &num, &storage_size, status.get());
+  if (TF_GetCode(status.get()) != TF_OK) {
+    *error = TF_Message(status.get());
+    return false;
+  }
+  std::vector<char*> values(num);
+  std::vector<size_t> lengths(num);
+  std::vector<char> storage(storage_size + 1);
+  list_fn(item, values.data(), lengths.data(), num, storage.data(),
+          storage.size(), status.get());
+  if (TF_GetCode(status.get()) != TF_OK) {
+    *error = TF_Message(status.get());
+    return false;
+  }
+  names->clear();
+  for (int i = 0; i < num; ++i) names->emplace_back(values[i], lengths[i]);
+  return true;
+}
+
+// Static output properties of a graph, inferred lazily (only when the Python
+// pass asks, since inference costs time on graphs the pass skips) and valid
+// only while the callback runs.
+class LazyProperties {
+ public:
+  explicit LazyProperties(const TF_GrapplerItem* item) : item_(item) {}
+  ~LazyProperties() { Invalidate(); }
+
+  void Invalidate() {
+    valid_ = false;
+    if (props_ != nullptr) TF_DeleteGraphProperties(props_);
+    props_ = nullptr;
+  }
+
+  // Returns {node name: [serialized OpInfo.TensorProperties per output]}.
+  py::dict Outputs(const std::vector<std::string>& names) {
+    if (!valid_) {
+      throw std::runtime_error(
+          "sntf: graph properties are only valid during the Grappler callback");
+    }
+    EnsureInferred();
+    py::dict result;
+    std::unique_ptr<TF_Status, decltype(&TF_DeleteStatus)> status(
+        TF_NewStatus(), TF_DeleteStatus);
+    for (const std::string& name : names) {
+      result[py::str(name)] = OutputsOf(name, status.get());
+    }
+    return result;
+  }
+
+ private:
+  void EnsureInferred() {
+    if (props_ != nullptr) return;
+    props_ = TF_NewGraphProperties(item_);
+    std::unique_ptr<TF_Status, decltype(&TF_DeleteStatus)> status(
+        TF_NewStatus(), TF_DeleteStatus);
+    TF_InferStatically(props_, /*assume_valid_feeds=*/true,
+                       /*aggressive_shape_inference=*/false,
+                       /*include_input_tensor_values=*/false,
+                       /*include_output_tensor_values=*/false, status.get());
+    if (TF_GetCode(status.get()) != TF_OK) {
+      std::string message = TF_Message(status.get());
+      Invalidate();
+      valid_ = true;  // the callback is still running; a retry may be asked
+      throw std::runtime_error("sntf: shape inference failed: " + message);
+    }
+  }
+
+  py::list OutputsOf(const std::string& name, TF_Status* status) {
+    py::list out;
+    int num = 0;
+    TF_GetOutputPropertiesListSize(props_, name.c_str(), &num, status);
+    if (TF_GetCode(status) != TF_OK || num <= 0) return out;
+    std::vector<TF_Buffer*> buffers(num);
+    for (int i = 0; i < num; ++i) buffers[i] = TF_NewBuffer();
+    TF_GetOutputPropertiesList(props_, name.c_str(), buffers.data(), num,
+                               status);
+    bool ok = TF_GetCode(status) == TF_OK;
+    for (int i = 0; i < num; ++i) {
+      if (ok) {
+        out.append(py::bytes(static_cast<const char*>(buffers[i]->data),
+                             buffers[i]->length));
+      }
+      TF_DeleteBuffer(buffers[i]);
+    }
+    return out;
+  }
+
+  const TF_GrapplerItem* item_;
+  TF_GraphProperties* props_ = nullptr;
+  bool valid_ = true;
+};
+
+// Looks up the Python pass; returns None when sntf is not imported.
+py::object FindPass() {
+  py::dict modules = py::module_::import("sys").attr("modules");
+  if (!modules.contains(kPassModule)) return py::none();
+  py::object module = modules[kPassModule];
+  if (!py::hasattr(module, kPassFunction)) return py::none();
+  return module.attr(kPassFunction);
+}
+
+// Runs the Python pass. Returns true and fills `out` with the new graph when
+// the pass produced one; false means "use the input graph".
+bool RunPythonPass(const TF_Buffer* graph_buf, const TF_GrapplerItem* item,
+                   std::string* out) {
+  py::gil_scoped_acquire gil;
+  try {
+    py::object pass = FindPass();
+    if (pass.is_none()) return false;
+
+    std::vector<std::string> fetch, preserve;
+    std::string error;
+    if (!ReadNameList(item, TF_GetFetchNodesListSize, TF_GetFetchNodesList,
+                      &fetch, &error) ||
+        !ReadNameList(item, TF_GetNodesToPreserveListSize,
+                      TF_GetNodesToPreserveList, &preserve, &error)) {
+      RecordNativeError("reading the grappler item: " + error);
+      return false;
+    }
+    auto props = std::make_shared<LazyProperties>(item);
+    py::cpp_function outputs(
+        [props](const std::vector<std::string>& names) {
+          return props->Outputs(names);
+        });
+    py::bytes graph(static_cast<const char*>(graph_buf->data),
+                    graph_buf->length);
+    py::object result = pass(graph, fetch, preserve, outputs);
+    props->Invalidate();
+    if (result.is_none()) return false;
+    *out = result.cast<std::string>();
+    return true;
+  } catch (py::error_already_set& e) {
+    // The Python pass records its own failures; reaching here means the
+    // entry point itself failed.
+    RecordNativeError(e.what());
+    e.restore();
+    PyErr_Clear();
+  } catch (const std::exception& e) {
+    RecordNativeError(e.what());
+  } catch (...) {
+    RecordNativeError("unknown C++ exception");
+  }
+  return false;
+}
+
+void Optimize(void* /*optimizer*/, const TF_Buffer* graph_buf,
+              const TF_GrapplerItem* item, TF_Buffer* optimized_graph_buf,
+              TF_Status* status) {
+  TF_SetStatus(status, TF_OK, "");
+  g_calls.fetch_add(1);
+  std::string rewritten;
+  bool changed = false;
+  try {
+    if (Py_IsInitialized()) changed = RunPythonPass(graph_buf, item, &rewritten);
+  } catch (...) {
+    RecordNativeError("exception while taking the GIL");
+    changed = false;
+  }
+  bool filled = changed ? FillBuffer(rewritten.data(), rewritten.size(),
+                                     optimized_graph_buf)
+                        : false;
+  if (!filled) {
+    g_passthrough.fetch_add(1);
+    filled = FillBuffer(static_cast<const char*>(graph_buf->data),
+                        graph_buf->length, optimized_graph_buf);
+  }
+  if (!filled) {
+    // Out of host memory for a copy of the graph: an error status makes the
+    // meta-optimizer keep the graph it had, which is what we want.
+    TF_SetStatus(status, TF_RESOURCE_EXHAUSTED,
+                 "sntf: could not allocate the output graph buffer");
+  }
+}
+
+// Path of the object this code lives in, for diagnostics.
+std::string ThisLibraryPath();
+
+}  // namespace
+}  // namespace sntf
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+namespace sntf {
+namespace {
+std::string ThisLibraryPath() {
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&Optimize), &info) == 0 ||
+      info.dli_fname == nullptr) {
+    return "";
+  }
+  return info.dli_fname;
+}
+
+// The marker holds "<pid>:<library path>". The pid matters because child
+// processes inherit the environment but not the registration.
+std::string RegisteredOwner() {
+  const char* value = std::getenv(kRegisteredEnv);
+  if (value == nullptr) return "";
+  std::string marker(value);
+  std::string prefix = std::to_string(static_cast<long>(getpid())) + ":";
+  if (marker.compare(0, prefix.size(), prefix) != 0) return "";
+  return marker.substr(prefix.size());
+}
+
+void MarkRegistered() {
+  std::string marker =
+      std::to_string(static_cast<long>(getpid())) + ":" + ThisLibraryPath();
+  setenv(kRegisteredEnv, marker.c_str(), 1);
+}
+}  // namespace
+}  // namespace sntf
+
+extern "C" {
+
+// Called by TensorFlow when it loads this library as a graph plugin.
+__attribute__((visibility("default"))) void TF_InitGraph(
+    TP_OptimizerRegistrationParams* params, TF_Status* status) {
+  // TensorFlow aborts the process on a second CPU plugin optimizer. Refusing
+  // here, with an error status, happens before TensorFlow registers anything,
+  // so a second load (another path, another copy) fails cleanly instead.
+  std::string owner = sntf::RegisteredOwner();
+  if (!owner.empty()) {
+    TF_SetStatus(status, TF_ALREADY_EXISTS,
+                 ("sntf: the graph plugin is already registered in this "
+                  "process by " + owner).c_str());
+    return;
+  }
+  params->struct_size = TP_OPTIMIZER_REGISTRATION_PARAMS_STRUCT_SIZE;
+  params->device_type = "CPU";
+  params->optimizer_configs->struct_size = TP_OPTIMIZER_CONFIGS_STRUCT_SIZE;
+  params->optimizer->struct_size = TP_OPTIMIZER_STRUCT_SIZE;
+  params->optimizer->create_func = nullptr;
+  params->optimizer->optimize_func = sntf::Optimize;
+  params->optimizer->destroy_func = nullptr;
+  sntf::MarkRegistered();
+  TF_SetStatus(status, TF_OK, "");
+}
+
+}  // extern "C"
+
+PYBIND11_MODULE(_plugin, m) {
+  m.doc() = "sntf Grappler plugin shim (also exports TF_InitGraph).";
+  m.def("library_path", &sntf::ThisLibraryPath,
+        "Path of this shared object.");
+  m.def("registered_path", &sntf::RegisteredOwner,
+      "Path of the sntf plugin registered in this process, or ''.");
+  m.def("counters", []() {
+    py::dict d;
+    d["calls"] = sntf::g_calls.load();
+    d["passthrough"] = sntf::g_passthrough.load();
+    d["native_errors"] = sntf::g_native_errors.load();
+    std::lock_guard<std::mutex> lock(sntf::g_error_mu);
+    d["last_native_error"] = sntf::g_last_native_error;
+    return d;
+  }, "Callback counters of this copy of the library.");
+}
