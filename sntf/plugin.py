@@ -31,9 +31,13 @@ _load_lock = threading.Lock()
 _loaded_from: Optional[str] = None
 _reports_lock = threading.Lock()
 _reports: collections.deque = collections.deque(maxlen=config.Options.max_reports)
-# Output digest -> report, so that the meta-optimizer's second iteration over
-# a graph we already handled counts as the same graph, not a new one.
-_by_digest: "collections.OrderedDict[bytes, dict]" = collections.OrderedDict()
+# Per thread: (graph key, report) of the last graph handled, so that the
+# meta-optimizer's second iteration over a graph merges into its report.
+_thread_state = threading.local()
+# Name scopes of nodes that Grappler's own optimizers create or rename.
+_GRAPPLER_SCOPES = ("ConstantFolding/", "ArithmeticOptimizer/", "LayoutOptimizer",
+                    "DependencyOptimizer/", "Remapper/", "ScopedAllocator",
+                    "LoopOptimizer/", "MemoryOptimizer/", "AutoMixedPrecision/")
 _logged_failures: set = set()
 
 
@@ -130,20 +134,48 @@ def _log_once(key: str, message: str) -> None:
     logger.warning("%s", message)
 
 
-def _record(report: dict, digest: Optional[bytes], max_reports: int) -> None:
+def _graph_key(graph_bytes: bytes, fetch: Sequence[str]) -> bytes:
+    """Identity of "the same graph" across Grappler's two iterations.
+
+    The second iteration sees the graph after other optimizers touched it, so
+    its bytes differ; the names of its computing nodes do not, except for
+    constants and nodes those optimizers generate under their own scopes.
+    A graph they did change structurally gets a second report, which is the
+    honest outcome.
+    """
+    from tensorflow.core.framework import graph_pb2
+
+    g = graph_pb2.GraphDef.FromString(graph_bytes)
+    stable = sorted(n.name for n in g.node
+                    if n.op not in ("Const", "HostConst")
+                    and not n.name.startswith(_GRAPPLER_SCOPES))
+    h = hashlib.blake2b(digest_size=16)
+    for part in list(fetch) + ["|"] + stable:
+        h.update(part.encode("utf-8", "replace") + b"\0")
+    return h.digest()
+
+
+def _record(report: dict, key: Optional[bytes], max_reports: int) -> None:
+    """Appends a report, or merges it into this thread's previous report of
+    the same graph (Grappler's second iteration over it)."""
+    global _reports
     with _reports_lock:
         if _reports.maxlen != max_reports:
-            _resize(max_reports)
+            _reports = collections.deque(_reports, maxlen=max_reports)
+        previous = getattr(_thread_state, "last", None)
+        if key is not None and previous is not None and previous[0] == key:
+            _merge(previous[1], report)
+            return
         _reports.append(report)
-        if digest is not None:
-            _by_digest[digest] = report
-            while len(_by_digest) > max_reports:
-                _by_digest.popitem(last=False)
+        _thread_state.last = (key, report)
 
 
-def _resize(max_reports: int) -> None:
-    global _reports
-    _reports = collections.deque(_reports, maxlen=max_reports)
+def _merge(first: dict, again: dict) -> None:
+    first["invocations"] += 1
+    first["pass_seconds"] += again["pass_seconds"]
+    if again["action"] == pipeline.ERROR and first["action"] != pipeline.ERROR:
+        for k in ("action", "reason", "error"):
+            first[k] = again[k]
 
 
 def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
@@ -164,25 +196,20 @@ def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
         state = config.current()
         if not state.enabled:
             return None
-        digest = hashlib.blake2b(graph_bytes, digest_size=16).digest()
-        with _reports_lock:
-            previous = _by_digest.get(digest)
-            if previous is not None:
-                # Our own output (or a graph left unchanged) coming back for
-                # Grappler's second iteration: the same graph, handled.
-                previous["invocations"] += 1
-                return None
         result = pipeline.run_pass(graph_bytes, fetch, preserve, state, properties)
         report = result.report
         out = None
         if result.graph_def is not None:
             out = result.graph_def.SerializeToString()
-            digest = hashlib.blake2b(out, digest_size=16).digest()
         if report["action"] == pipeline.ERROR:
             _log_once(report["reason"],
                       f"sntf: graph pass failed, graph {report['graph']!r} left "
                       f"unchanged: {report['reason']}")
-        _record(report, digest, state.options.max_reports)
+        try:
+            key = _graph_key(graph_bytes, fetch)
+        except Exception:  # noqa: BLE001 - an unparsable graph has no identity
+            key = None
+        _record(report, key, state.options.max_reports)
         return out
     except BaseException as e:  # noqa: BLE001 - nothing may escape into TensorFlow
         try:
@@ -207,4 +234,4 @@ def clear_reports() -> None:
     """Forgets all reports (the next call to a known graph is reported anew)."""
     with _reports_lock:
         _reports.clear()
-        _by_digest.clear()
+    _thread_state.last = None
