@@ -39,6 +39,7 @@ namespace {
 // this process". Process-wide on purpose: two copies of this library have two
 // sets of globals, but one environment. Registering twice aborts TensorFlow.
 constexpr char kRegisteredEnv[] = "SNTF_PLUGIN_REGISTERED";
+constexpr char kDuplicatesEnv[] = "SNTF_PLUGIN_DUPLICATES";
 constexpr char kPassModule[] = "sntf.plugin";
 constexpr char kPassFunction[] = "_optimize";
 
@@ -262,6 +263,18 @@ void Optimize(void* /*optimizer*/, const TF_Buffer* graph_buf,
   }
 }
 
+// Optimizer of an inactive duplicate registration: hands the graph back.
+void PassThrough(void* /*optimizer*/, const TF_Buffer* graph_buf,
+                 const TF_GrapplerItem* /*item*/, TF_Buffer* optimized_graph_buf,
+                 TF_Status* status) {
+  TF_SetStatus(status, TF_OK, "");
+  if (!FillBuffer(static_cast<const char*>(graph_buf->data), graph_buf->length,
+                  optimized_graph_buf)) {
+    TF_SetStatus(status, TF_RESOURCE_EXHAUSTED,
+                 "sntf: could not allocate the output graph buffer");
+  }
+}
+
 // Path of the object this code lives in, for diagnostics.
 std::string ThisLibraryPath();
 
@@ -293,6 +306,16 @@ std::string RegisteredOwner() {
   return marker.substr(prefix.size());
 }
 
+// A device type no device has, unique per duplicate across library copies
+// (which share the environment but not their globals).
+std::string NextInactiveDeviceType() {
+  const char* value = std::getenv(kDuplicatesEnv);
+  long count = value == nullptr ? 0 : std::strtol(value, nullptr, 10);
+  ++count;
+  setenv(kDuplicatesEnv, std::to_string(count).c_str(), 1);
+  return "SNTF_INACTIVE_DUPLICATE_" + std::to_string(count);
+}
+
 void MarkRegistered() {
   std::string marker =
       std::to_string(static_cast<long>(getpid())) + ":" + ThisLibraryPath();
@@ -306,25 +329,29 @@ extern "C" {
 // Called by TensorFlow when it loads this library as a graph plugin.
 __attribute__((visibility("default"))) void TF_InitGraph(
     TP_OptimizerRegistrationParams* params, TF_Status* status) {
-  // TensorFlow aborts the process on a second CPU plugin optimizer. Refusing
-  // here, with an error status, happens before TensorFlow registers anything,
-  // so a second load (another path, another copy) fails cleanly instead.
-  std::string owner = sntf::RegisteredOwner();
-  if (!owner.empty()) {
-    TF_SetStatus(status, TF_ALREADY_EXISTS,
-                 ("sntf: the graph plugin is already registered in this "
-                  "process by " + owner).c_str());
-    return;
-  }
   params->struct_size = TP_OPTIMIZER_REGISTRATION_PARAMS_STRUCT_SIZE;
-  params->device_type = "CPU";
   params->optimizer_configs->struct_size = TP_OPTIMIZER_CONFIGS_STRUCT_SIZE;
   params->optimizer->struct_size = TP_OPTIMIZER_STRUCT_SIZE;
   params->optimizer->create_func = nullptr;
-  params->optimizer->optimize_func = sntf::Optimize;
   params->optimizer->destroy_func = nullptr;
-  sntf::MarkRegistered();
   TF_SetStatus(status, TF_OK, "");
+  std::string owner = sntf::RegisteredOwner();
+  if (!owner.empty()) {
+    // TensorFlow aborts both on a second optimizer for "CPU" and on an error
+    // status from this function. A copy loaded from another path therefore
+    // registers for a device type that never exists, where it never runs.
+    // TensorFlow keeps this pointer for the life of the process: leak it.
+    params->device_type = strdup(sntf::NextInactiveDeviceType().c_str());
+    params->optimizer->optimize_func = sntf::PassThrough;
+    fprintf(stderr,
+            "sntf: graph plugin already registered in this process by %s; "
+            "%s stays inactive\n",
+            owner.c_str(), sntf::ThisLibraryPath().c_str());
+    return;
+  }
+  params->device_type = "CPU";
+  params->optimizer->optimize_func = sntf::Optimize;
+  sntf::MarkRegistered();
 }
 
 }  // extern "C"

@@ -1,0 +1,207 @@
+"""SnSwapOut / SnSwapIn: values, dtypes, shapes, pool accounting, errors, registry."""
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from sntf import _native, ops  # noqa: E402
+
+
+def _bits(t):
+    """Exact bit pattern of a tensor as bytes (dtype-independent comparison)."""
+    return t.numpy().tobytes()
+
+
+def _sample(dtype, shape):
+    rng = np.random.default_rng(3)
+    n = int(np.prod(shape)) if shape else 1
+    if dtype == tf.bool:
+        values = rng.random(n) > 0.5
+    elif dtype.is_complex:
+        values = rng.standard_normal(n) + 1j * rng.standard_normal(n)
+    elif dtype.is_floating:
+        values = rng.standard_normal(n) * 100
+    else:
+        info = np.iinfo(dtype.as_numpy_dtype)
+        values = rng.integers(info.min, info.max, n, endpoint=True, dtype=np.int64
+                              if info.min < 0 else np.uint64)
+    return tf.constant(np.asarray(values).astype(dtype.as_numpy_dtype).reshape(shape))
+
+
+DTYPES = [tf.float32, tf.float64, tf.bfloat16, tf.float16, tf.int8, tf.int16,
+          tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64, tf.bool,
+          tf.complex64, tf.complex128]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_roundtrip_is_bit_exact_for_every_dtype(dtype):
+    x = _sample(dtype, (3, 7))
+    parked = ops.swap_out(x)
+    y = ops.swap_in(parked)
+    assert parked.dtype == dtype and y.dtype == dtype
+    assert parked.shape == x.shape and y.shape == x.shape
+    assert _bits(y) == _bits(x)
+
+
+def test_quantized_dtype_roundtrip():
+    x = tf.quantization.quantize(tf.constant([[0.1, 0.5], [0.9, 0.3]]), 0.0, 1.0,
+                                 tf.qint8).output
+    y = ops.swap_in(ops.swap_out(x))
+    assert y.dtype == tf.qint8
+    assert tf.reduce_all(tf.equal(tf.bitcast(y, tf.int8), tf.bitcast(x, tf.int8)))
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (0, 5), (4, 0, 2), (1,), (2, 3, 4, 5)])
+def test_empty_scalar_and_nd_shapes(shape):
+    x = _sample(tf.float32, shape)
+    y = ops.swap_in(ops.swap_out(x))
+    assert tuple(y.shape) == shape
+    assert _bits(y) == _bits(x)
+
+
+def test_unsupported_dtype_is_rejected_at_graph_construction():
+    with pytest.raises((TypeError, ValueError, tf.errors.InvalidArgumentError)):
+        ops.swap_out(tf.constant(["a", "b"]))
+
+
+def test_shape_function_keeps_static_and_unknown_dims():
+    seen = {}
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3, 5], tf.float32)])
+    def f(x):
+        parked = ops.swap_out(x)
+        y = ops.swap_in(parked)
+        seen["parked"] = parked.shape.as_list()
+        seen["y"] = y.shape.as_list()
+        return y
+
+    x = _sample(tf.float32, (4, 3, 5))
+    assert _bits(f(x)) == _bits(x)
+    assert seen == {"parked": [None, 3, 5], "y": [None, 3, 5]}
+
+
+def test_pool_holds_parked_bytes_and_releases_them():
+    before = _native.pool_stats()["bytes_in_use"]
+    swaps_before = _native.swap_stats()
+    x = tf.zeros([1024, 1024], tf.float32)  # 4 MiB
+    parked = ops.swap_out(x)
+    during = _native.pool_stats()
+    assert during["bytes_in_use"] - before >= 4 * 2**20
+    assert during["active_allocs"] >= 1
+    y = ops.swap_in(parked)
+    del parked
+    after = _native.pool_stats()
+    assert after["bytes_in_use"] == before
+    swaps = _native.swap_stats()
+    assert swaps["bytes_to_host"] - swaps_before["bytes_to_host"] == 4 * 2**20
+    assert swaps["bytes_to_device"] - swaps_before["bytes_to_device"] == 4 * 2**20
+    assert swaps["swap_out_ops"] - swaps_before["swap_out_ops"] == 1
+    assert float(tf.reduce_sum(y)) == 0.0
+
+
+def test_gpu_kernels_are_registered_with_host_memory_parked():
+    from tensorflow.python.framework import kernels
+
+    for op in ("SnSwapOut", "SnSwapIn"):
+        registered = kernels.get_registered_kernels_for_op(op).kernel
+        devices = {k.device_type: list(k.host_memory_arg) for k in registered}
+        assert set(devices) == {"CPU", "GPU"}, devices
+        assert devices["GPU"] == ["parked"]
+
+
+def test_pool_exhaustion_is_a_resource_exhausted_error(fresh_python):
+    run = fresh_python("""
+        import json
+        import tensorflow as tf
+        from sntf import ops, _native
+        try:
+            ops.swap_out(tf.zeros([1024, 1024]))   # 4 MiB > 1 MiB limit
+            outcome = "no error"
+        except tf.errors.ResourceExhaustedError as e:
+            outcome = str(e)
+        small = ops.swap_in(ops.swap_out(tf.ones([16])))   # still works after
+        print("RESULT " + json.dumps({"error": outcome,
+              "small": float(tf.reduce_sum(small)),
+              "failed": _native.swap_stats()["failed_ops"]}))
+    """, env={"SNTF_HOST_POOL_LIMIT": str(2**20)})
+    r = run.result()
+    assert "pool limit 1048576 bytes" in r["error"]
+    assert "requested 4194304 bytes" in r["error"]
+    assert r["small"] == 16.0
+    assert r["failed"] == 1
+
+
+def test_device_peak_excludes_parked_bytes(fresh_python):
+    """A hand-built graph: park `a`, compute with `b`, bring `a` back.
+
+    Without the swap, `a` (64 MiB) lives through `b`'s lifetime and the
+    CPU:0 peak holds both; with it, `a`'s device copy dies at the swap-out and
+    its bytes sit in the pool, which the device allocator does not count.
+    """
+    code = """
+        import json, sys
+        import tensorflow as tf
+        from sntf import ops, _native
+        swap = sys.argv[1] == "swap"
+        n = 16 * 2**20   # float32 elements: 64 MiB
+
+        @tf.function
+        def step(n):
+            a = tf.fill([n], 1.0)
+            held = ops.swap_out(a) if swap else a
+            with tf.control_dependencies([held]):
+                b = tf.fill([n], 2.0)
+            s = tf.reduce_sum(b)
+            with tf.control_dependencies([s]):
+                back = ops.swap_in(held) if swap else tf.identity(held)
+            return tf.reduce_sum(back) + s
+
+        value = float(step(tf.constant(n)))
+        info = tf.config.experimental.get_memory_info("CPU:0")
+        print("RESULT " + json.dumps({"value": value, "peak": info["peak"],
+              "pool": _native.pool_stats(), "swap": _native.swap_stats()}))
+    """
+    plain = fresh_python(args=["-c", _dedent(code), "plain"]).result()
+    swapped = fresh_python(args=["-c", _dedent(code), "swap"]).result()
+    mib = 2**20
+    assert plain["value"] == swapped["value"] == 3.0 * 16 * mib
+    assert plain["peak"] >= 128 * mib, plain
+    assert swapped["peak"] <= 0.75 * plain["peak"], (swapped["peak"], plain["peak"])
+    assert swapped["pool"]["peak_bytes_in_use"] >= 64 * mib
+    assert swapped["pool"]["bytes_in_use"] == 0
+    assert swapped["swap"]["bytes_to_host"] == 64 * mib
+    assert plain["swap"]["bytes_to_host"] == 0
+
+
+def _dedent(code):
+    import textwrap
+
+    return textwrap.dedent(code)
+
+
+@pytest.mark.slow
+def test_tensor_above_4gib_roundtrips(fresh_python):
+    run = fresh_python("""
+        import json
+        import tensorflow as tf
+        from sntf import ops
+        n = 2**32 + 64                      # uint8 elements: just over 4 GiB
+        tail = tf.range(64, dtype=tf.int32) % 251
+        x = tf.concat([tf.fill([2**32], tf.constant(7, tf.uint8)),
+                       tf.cast(tail, tf.uint8)], axis=0)
+        parked = ops.swap_out(x)
+        del x
+        y = ops.swap_in(parked)
+        del parked
+        head = y[:16].numpy().tolist()
+        end = y[-64:].numpy().tolist()
+        middle = y[2**32 - 8:2**32 + 8].numpy().tolist()
+        print("RESULT " + json.dumps({"size": int(tf.size(y, out_type=tf.int64)),
+              "head": head, "end": end, "middle": middle}))
+    """, timeout=900)
+    r = run.result()
+    assert r["size"] == 2**32 + 64
+    assert r["head"] == [7] * 16
+    assert r["end"] == [i % 251 for i in range(64)]
+    assert r["middle"] == [7] * 8 + [0, 1, 2, 3, 4, 5, 6, 7]

@@ -1,0 +1,101 @@
+"""Trains a small Keras model for a few steps in a fresh process.
+
+Used by the end-to-end tests: each configuration (with or without sntf) runs
+in its own process, because the Grappler plugin cannot be unloaded and the
+CPU allocator's peak cannot be reset (DESIGN facts 2 and 10).
+
+    python train_keras.py --model cnn --steps 5 --out result.npz [--sntf off]
+
+Prints one JSON line with the losses, the measured CPU:0 peak, and the sntf
+reports (when enabled).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def build_model(name, keras):
+    layers = keras.layers
+    if name == "cnn":
+        return keras.Sequential([
+            keras.Input((16, 16, 3)),
+            layers.Conv2D(8, 3, padding="same", activation="relu"),
+            layers.BatchNormalization(),
+            layers.MaxPooling2D(),
+            layers.Conv2D(16, 3, padding="same", activation="relu"),
+            layers.BatchNormalization(),
+            layers.MaxPooling2D(),
+            layers.Flatten(),
+            layers.Dropout(0.3),
+            layers.Dense(10),
+        ])
+    if name == "mlp":
+        return keras.Sequential([keras.Input((32,)), layers.Dense(64, activation="relu"),
+                                 layers.Dense(10)])
+    raise ValueError(f"unknown model {name!r}")
+
+
+def input_shape(name):
+    return {"cnn": (16, 16, 3), "mlp": (32,)}[name]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="cnn")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--sntf", default=None,
+                        help="policy to enable; omitted: sntf is not imported")
+    parser.add_argument("--identity-rewrite", action="store_true")
+    parser.add_argument("--evaluate", action="store_true",
+                        help="also run evaluate() and predict()")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    import numpy as np
+    import tensorflow as tf
+    import keras
+
+    if args.sntf is not None:
+        import sntf
+
+        sntf.enable(policy=args.sntf, identity_rewrite=args.identity_rewrite)
+    tf.config.experimental.enable_op_determinism()
+    keras.utils.set_random_seed(1234)
+    model = build_model(args.model, keras)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    rng = np.random.default_rng(7)
+    n = args.steps * args.batch
+    x = rng.random((n,) + input_shape(args.model), dtype=np.float32)
+    y = rng.integers(0, 10, n)
+    history = model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False,
+                        verbose=0)
+    losses = [float(v) for v in history.history["loss"]]
+    if args.evaluate:
+        model.evaluate(x, y, batch_size=args.batch, verbose=0)
+        model.predict(x, batch_size=args.batch, verbose=0)
+    weights = {f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
+    # Per-step losses, recorded by a second short fit with a callback would
+    # retrace; instead compare the final weights, which every step feeds.
+    np.savez(args.out, **weights)
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    result = {"losses": losses, "peak_bytes": peak, "reports": None}
+    if args.sntf is not None:
+        import sntf
+
+        result["reports"] = [
+            {k: r[k] for k in ("graph", "training", "nodes", "action", "reason",
+                               "invocations")}
+            for r in sntf.reports()]
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
