@@ -77,7 +77,15 @@ def load_ops() -> Any:
             import tensorflow as tf
 
             path = ops_library_path()
-            _ops_module = tf.load_op_library(path)
+            module = tf.load_op_library(path)
+            if not hasattr(module, "sn_swap_out"):
+                # TensorFlow wraps only the ops registered during its own
+                # dlopen; a plain dlopen (ctypes) before it hides them.
+                raise ImportError(
+                    f"sntf: {path} was opened before TensorFlow loaded it as an "
+                    "op library, so its ops have no Python wrappers; call "
+                    "sntf._native.load_ops() before opening it with ctypes")
+            _ops_module = module
             lib = ctypes.CDLL(path)
             _declare(lib)
             _ops_cdll = lib

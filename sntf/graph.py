@@ -376,3 +376,126 @@ def name_hint(g: GraphIndex, limit: int = 3) -> str:
             counts[name.split("/", 1)[0]] += 1
     top = [scope for scope, _ in counts.most_common(limit)]
     return ",".join(top) if top else (g.names[0] if g.names else "empty")
+
+
+FORWARD, BACKWARD, OTHER = "forward", "backward", "other"
+# Losses whose second output is the gradient with respect to the logits.
+FUSED_LOSS_OPS = frozenset({"SoftmaxCrossEntropyWithLogits",
+                            "SparseSoftmaxCrossEntropyWithLogits"})
+# Op types that only gradient computations use.
+GRADIENT_OP_TYPES = frozenset({"BroadcastGradientArgs", "BiasAddGrad",
+                               "BiasAddGradV1", "SymbolicGradient"})
+
+
+def is_gradient_op(op: str) -> bool:
+    """Whether an op type is a gradient kernel (ReluGrad, Conv2DBackpropInput...)."""
+    return (op in GRADIENT_OP_TYPES or op.endswith("Grad") or "Backprop" in op
+            or op.endswith("GradV2") or op.endswith("GradGrad"))
+
+
+def weight_consumers(g: GraphIndex) -> frozenset:
+    """Forward ops that combine an updated variable with an activation.
+
+    These anchor the forward pass of a training graph: every forward op that
+    computes with a weight (MatMul(x, W), Conv2D(x, K), BiasAdd(h, b), a
+    normalization's scale) and feeds some variable update. The backward pass
+    has ops of the same shape (dx = dy W^T reads W and dy), told apart by
+    structure: their activation input descends from another op that reads the
+    same weight, which a forward op's input never does.
+
+    Args:
+      g: the graph index.
+
+    Returns:
+      Indices of the forward weight consumers.
+    """
+    updates = collections.defaultdict(list)
+    for i, op in enumerate(g.ops):
+        if g.data_inputs[i] and is_update_op(op):
+            updates[g.data_inputs[i][0][0]].append(i)
+    if not updates:
+        return frozenset()
+    all_updates = [u for us in updates.values() for u in us]
+    feeding_updates = ancestors(g, all_updates, control=False, state=True)
+    candidates = {}  # anchor -> (handles it reads, its activation inputs)
+    for handle in updates:
+        reads = [c for c, _, _ in g.consumers[handle] if not is_update_op(g.ops[c])]
+        derived = _variable_derived(g, reads)
+        for d in derived:
+            for f, _, _ in g.consumers[d]:
+                if f in derived or f not in feeding_updates or is_update_op(g.ops[f]):
+                    continue
+                acts = [p for p, _ in g.data_inputs[f]
+                        if p not in derived and p != handle and g.ops[p] not in CONST_OPS]
+                if acts:
+                    handles, inputs = candidates.setdefault(f, (set(), set()))
+                    handles.add(handle)
+                    inputs.update(acts)
+    if not candidates:
+        return frozenset()
+    bit = {f: 1 << k for k, f in enumerate(sorted(candidates))}
+    reads_of = collections.defaultdict(int)  # handle -> mask of its consumers
+    for f, (handles, _) in candidates.items():
+        for h in handles:
+            reads_of[h] |= bit[f]
+    # mask[n]: the candidates n descends from (data edges), in one topo sweep.
+    mask = [0] * len(g.names)
+    for n in g.topo:
+        m = 0
+        for p, _ in g.data_inputs[n]:
+            m |= mask[p]
+        mask[n] = m | bit.get(n, 0)
+    backward = set()
+    for f, (handles, inputs) in candidates.items():
+        same_weight = 0
+        for h in handles:
+            same_weight |= reads_of[h]
+        same_weight &= ~bit[f]
+        upstream = 0
+        for x in inputs:
+            upstream |= mask[x]
+        if upstream & same_weight:
+            backward.add(f)
+    # Gradient kernels (by op type, a structural fact) and the backprop output
+    # of fused losses start the backward pass too; an optimizer's ops that read
+    # slot variables (Adam's m and v) sit downstream of them.
+    sources = set(backward)
+    for n, op in enumerate(g.ops):
+        if is_gradient_op(op):
+            sources.add(n)
+        elif op in FUSED_LOSS_OPS:
+            sources.update(c for c, _, port in g.consumers[n] if port == 1)
+    tainted = descendants(g, sources)
+    # A forward op's output flows into the gradient computation; an
+    # optimizer op reading a slot (m, v) only flows into updates.
+    feeds_gradients = ancestors(g, tainted, control=False)
+    return frozenset(f for f in candidates
+                     if f not in tainted and f in feeds_gradients)
+
+
+def classify_phases(g: GraphIndex) -> tuple[str, ...]:
+    """Labels every node forward, backward or other, by structure.
+
+    Forward: ancestors of the weight consumers (the forward pass up to its
+    last layer). Backward: nodes downstream of a weight consumer that feed a
+    variable update and are not forward (the loss, the gradients and the
+    optimizer's arithmetic). Other: everything else (metrics, counters,
+    tf.data plumbing).
+
+    Args:
+      g: the graph index.
+
+    Returns:
+      One label per node, by node index.
+    """
+    anchors = weight_consumers(g)
+    if not anchors:
+        return tuple(OTHER for _ in g.names)
+    forward = ancestors(g, anchors, control=False)
+    below = descendants(g, anchors)
+    all_updates = [i for i, op in enumerate(g.ops)
+                   if g.data_inputs[i] and is_update_op(op)]
+    feeding = ancestors(g, all_updates, control=False, state=True)
+    backward = (below & feeding) - forward
+    return tuple(FORWARD if i in forward else BACKWARD if i in backward else OTHER
+                 for i in range(len(g.names)))

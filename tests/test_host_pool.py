@@ -65,6 +65,9 @@ def _packaged_library_path():
         # `import sntf` alone does not import the _native submodule.
         from sntf import _native  # may not be built yet
 
+        # TensorFlow must load the library first: it only sees the ops that
+        # register *during* its own load, not in an earlier plain dlopen.
+        _native.load_ops()
         return _native.ops_library_path()
     except Exception:
         return None
