@@ -59,7 +59,7 @@ class Budget:
         """
         if self.bytes is not None:
             return self.bytes
-        return int(self.fraction * device_memory_bytes)
+        return int(round(self.fraction * device_memory_bytes))
 
     def describe(self) -> str:
         if self.bytes is not None:
@@ -95,7 +95,11 @@ def parse_size(value: Any, what: str = "size") -> int:
             raise ValueError(f"sntf: invalid {what} {value!r}: expected a number "
                              "of bytes with an optional unit (B, KB, MB, GB, TB, "
                              "KiB, MiB, GiB, TiB), e.g. '12GB' or '512MiB'")
-        n = int(float(match.group(1)) * scale)
+        number = float(match.group(1)) * scale
+        if not math.isfinite(number):
+            raise ValueError(f"sntf: invalid {what} {value!r}: the number is too "
+                             "large to be a byte count")
+        n = int(number)
     if n <= 0:
         raise ValueError(f"sntf: invalid {what} {value!r}: it must be positive")
     return n
@@ -137,7 +141,11 @@ def parse_budget(value: Any) -> Optional[Budget]:
                 raise _budget_error(value, "a percentage must lie in (0, 100]")
             return Budget(fraction=fraction)
         if re.fullmatch(r"[0-9]*\.[0-9]+", text):
-            return parse_budget(float(text))
+            fraction = float(text)
+            if not 0.0 < fraction <= 1.0:
+                raise _budget_error(value, "a fractional budget is a fraction of "
+                                    "device memory and must lie in (0, 1]")
+            return Budget(fraction=fraction)
         try:
             return Budget(bytes=parse_size(text, "budget"))
         except ValueError:
@@ -266,7 +274,7 @@ def from_environment(environ: Mapping[str, str] = os.environ
         raise ValueError(f"{ENV_POLICY}={policy_text!r}: {e}") from None
     try:
         budget = parse_budget(budget_text) if budget_text else None
-    except ValueError as e:
+    except (ValueError, OverflowError) as e:
         raise ValueError(f"{ENV_BUDGET}={budget_text!r}: {e}") from None
     return policy, budget
 

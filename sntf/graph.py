@@ -28,7 +28,16 @@ UPDATE_OPS = frozenset({
     "Assign", "AssignAdd", "AssignSub",
 })
 UPDATE_OP_PREFIXES = ("ResourceApply", "ResourceSparseApply", "ResourceScatter",
-                      "Apply", "SparseApply", "Scatter")
+                      "Apply", "SparseApply")
+# Ref-variable scatters write a variable; ScatterNd and
+# ScatterNdNonAliasingAdd build a new tensor and are not updates.
+REF_SCATTER_OPS = frozenset({
+    "ScatterAdd", "ScatterSub", "ScatterMul", "ScatterDiv", "ScatterMin",
+    "ScatterMax", "ScatterUpdate", "ScatterNdAdd", "ScatterNdSub",
+    "ScatterNdUpdate", "ScatterNdMax", "ScatterNdMin",
+})
+# Ops that forward a resource handle unchanged (left by function inlining).
+HANDLE_FORWARDING_OPS = frozenset({"Identity", "IdentityN"})
 # Single-value ops through which a variable's read stays "the variable".
 PASS_THROUGH_OPS = frozenset({"Identity", "Cast", "Reshape", "Transpose",
                               "ExpandDims", "Squeeze", "Snapshot", "IdentityN"})
@@ -50,7 +59,8 @@ class GraphError(ValueError):
 
 def is_update_op(op: str) -> bool:
     """Whether an op type writes a variable."""
-    return op in UPDATE_OPS or op.startswith(UPDATE_OP_PREFIXES)
+    return (op in UPDATE_OPS or op in REF_SCATTER_OPS
+            or op.startswith(UPDATE_OP_PREFIXES))
 
 
 def parse_input(text: str) -> tuple[str, int, bool]:
@@ -267,6 +277,44 @@ class TrainingInfo:
     updated_variables: int = 0
 
 
+def _handle_root(g: GraphIndex, node: int) -> int:
+    """The node a resource handle comes from, through Identity forwarding."""
+    seen = 0
+    while g.ops[node] in HANDLE_FORWARDING_OPS and g.data_inputs[node] and seen < 64:
+        node = g.data_inputs[node][0][0]
+        seen += 1
+    return node
+
+
+def variable_access(g: GraphIndex) -> tuple[dict, dict]:
+    """Updates and readers of every updated variable, keyed by handle root.
+
+    Returns:
+      (updates, readers): root -> update node indices, and root -> nodes that
+      read the variable (ReadVariableOp, ResourceGather, ...), following the
+      Identity ops that function inlining leaves on resource inputs.
+    """
+    updates = collections.defaultdict(list)
+    for i, op in enumerate(g.ops):
+        if g.data_inputs[i] and is_update_op(op):
+            updates[_handle_root(g, g.data_inputs[i][0][0])].append(i)
+    readers = collections.defaultdict(list)
+    for root in updates:
+        stack, seen = [root], {root}
+        while stack:
+            h = stack.pop()
+            for c, slot, _ in g.consumers[h]:
+                if is_update_op(g.ops[c]) or c in seen:
+                    continue
+                if slot == 0 and g.ops[c] in HANDLE_FORWARDING_OPS:
+                    seen.add(c)
+                    stack.append(c)
+                elif slot == 0:
+                    seen.add(c)
+                    readers[root].append(c)
+    return updates, readers
+
+
 def _variable_derived(g: GraphIndex, reads: Sequence[int]) -> set:
     """Nodes whose value is the variable itself: reads and pass-through ops."""
     derived = set(reads)
@@ -284,28 +332,46 @@ def _variable_derived(g: GraphIndex, reads: Sequence[int]) -> set:
     return derived
 
 
+def _weight_users(g: GraphIndex, handle: int, readers: Sequence[int]
+                  ) -> tuple[set, list[tuple[int, set]]]:
+    """Ops that compute with a variable, each with its activation inputs.
+
+    Consumers of the variable's value, and readers that take other inputs
+    themselves (an embedding lookup reads E together with the ids).
+
+    Returns:
+      (derived, users): the nodes whose value is the variable, and
+      [(user, activation input nodes)] for users with at least one activation.
+    """
+    derived = _variable_derived(g, readers)
+    users = {f for d in derived for f, _, _ in g.consumers[d] if f not in derived}
+    users.update(r for r in readers if len(g.data_inputs[r]) > 1)
+    result = []
+    for f in sorted(users):
+        activations = {p for p, _ in g.data_inputs[f]
+                       if p not in derived and g.ops[p] not in CONST_OPS
+                       and _handle_root(g, p) != handle}
+        if activations and not is_update_op(g.ops[f]):
+            result.append((f, activations))
+    return derived, result
+
+
 def _gradient_of(g: GraphIndex, handle: int, readers: Sequence[int],
                  update_ancestors: set) -> Optional[int]:
     """Finds a weight-gradient op for the variable behind `handle`, or None."""
-    derived = _variable_derived(g, readers)
-    for d in derived:
-        for f, _, _ in g.consumers[d]:
-            if f in derived or f not in update_ancestors:
-                continue
-            activations = {p for p, _ in g.data_inputs[f]
-                           if p not in derived and p != handle
-                           and g.ops[p] not in CONST_OPS}
-            if not activations:
-                continue
-            downstream = None
-            for x in activations:
-                for gop, _, _ in g.consumers[x]:
-                    if gop == f or gop not in update_ancestors:
-                        continue
-                    if downstream is None:
-                        downstream = descendants(g, [f], within=update_ancestors)
-                    if gop in downstream:
-                        return gop
+    _, users = _weight_users(g, handle, readers)
+    for f, activations in users:
+        if f not in update_ancestors:
+            continue
+        downstream = None
+        for x in activations:
+            for gop, _, _ in g.consumers[x]:
+                if gop == f or gop not in update_ancestors:
+                    continue
+                if downstream is None:
+                    downstream = descendants(g, [f], within=update_ancestors)
+                if gop in downstream:
+                    return gop
     return None
 
 
@@ -318,35 +384,20 @@ def detect_training(g: GraphIndex) -> TrainingInfo:
     Returns:
       A TrainingInfo.
     """
-    readers = collections.defaultdict(list)
-    updates = collections.defaultdict(list)
-    for i, op in enumerate(g.ops):
-        if not g.data_inputs[i]:
-            continue
-        handle = g.data_inputs[i][0][0]
-        if is_update_op(op):
-            updates[handle].append(i)
+    updates, readers = variable_access(g)
     if not updates:
         return TrainingInfo(False, "no variable is updated")
-    for handle in updates:
-        for c, slot, _ in g.consumers[handle]:
-            if not is_update_op(g.ops[c]):
-                readers[handle].append(c)
     # Variables with the most readers first: model weights, not counters.
     candidates = sorted((h for h in updates if readers[h]),
                         key=lambda h: (-len(readers[h]), h))
-    trained, gradients = [], []
     for handle in candidates[:MAX_VARIABLES_EXAMINED]:
         update_ancestors = ancestors(g, updates[handle], control=False, state=True)
         gop = _gradient_of(g, handle, readers[handle], update_ancestors)
         if gop is not None:
-            trained.append(g.names[handle])
-            gradients.append(g.names[gop])
-            break  # one trained variable settles the question
-    if trained:
-        return TrainingInfo(
-            True, f"variable {trained[0]!r} is updated from a weight gradient "
-            f"({gradients[0]!r})", tuple(trained), tuple(gradients), len(updates))
+            return TrainingInfo(
+                True, f"variable {g.names[handle]!r} is updated from a weight "
+                f"gradient ({g.names[gop]!r})", (g.names[handle],),
+                (g.names[gop],), len(updates))
     return TrainingInfo(False, f"{len(updates)} variable(s) updated, none from a "
                         "gradient (metrics or state updates only)",
                         updated_variables=len(updates))
@@ -409,28 +460,20 @@ def weight_consumers(g: GraphIndex) -> frozenset:
     Returns:
       Indices of the forward weight consumers.
     """
-    updates = collections.defaultdict(list)
-    for i, op in enumerate(g.ops):
-        if g.data_inputs[i] and is_update_op(op):
-            updates[g.data_inputs[i][0][0]].append(i)
+    updates, readers = variable_access(g)
     if not updates:
         return frozenset()
     all_updates = [u for us in updates.values() for u in us]
     feeding_updates = ancestors(g, all_updates, control=False, state=True)
     candidates = {}  # anchor -> (handles it reads, its activation inputs)
     for handle in updates:
-        reads = [c for c, _, _ in g.consumers[handle] if not is_update_op(g.ops[c])]
-        derived = _variable_derived(g, reads)
-        for d in derived:
-            for f, _, _ in g.consumers[d]:
-                if f in derived or f not in feeding_updates or is_update_op(g.ops[f]):
-                    continue
-                acts = [p for p, _ in g.data_inputs[f]
-                        if p not in derived and p != handle and g.ops[p] not in CONST_OPS]
-                if acts:
-                    handles, inputs = candidates.setdefault(f, (set(), set()))
-                    handles.add(handle)
-                    inputs.update(acts)
+        _, users = _weight_users(g, handle, readers[handle])
+        for f, acts in users:
+            if f not in feeding_updates:
+                continue
+            handles, inputs = candidates.setdefault(f, (set(), set()))
+            handles.add(handle)
+            inputs.update(acts)
     if not candidates:
         return frozenset()
     bit = {f: 1 << k for k, f in enumerate(sorted(candidates))}

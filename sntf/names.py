@@ -19,18 +19,16 @@ SWAP_OUT_OP = "SnSwapOut"
 SWAP_IN_OP = "SnSwapIn"
 
 
-def _tensor_slug(node: str, port: int) -> str:
-    return f"{node}_{port}".replace("/", "_")
-
-
 def swap_out_name(node: str, port: int) -> str:
     """Name of the SnSwapOut node that parks output `port` of `node`."""
-    return f"{SCOPE}/swap_out/{_tensor_slug(node, port)}"
+    # The node's own scopes are kept and the port is always the last
+    # component, so distinct tensors can never share a generated name.
+    return f"{SCOPE}/swap_out/{node}/{port}"
 
 
 def swap_in_name(node: str, port: int, index: int = 0) -> str:
     """Name of the index-th SnSwapIn node that restores output `port` of `node`."""
-    return f"{SCOPE}/swap_in/{_tensor_slug(node, port)}/{index}"
+    return f"{SCOPE}/swap_in/{node}/{port}/{index}"
 
 
 def recompute_name(node: str, index: int = 0) -> str:

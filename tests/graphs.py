@@ -1,0 +1,621 @@
+"""Small hand-built GraphDefs for tests of the graph pass.
+
+Nothing here runs TensorFlow: only the protobuf message modules are imported.
+
+    g = (GraphBuilder()
+         .arg("x")
+         .arg("w", dtype=DT_RESOURCE)
+         .op("ReadVariableOp", "r", ["w"], dtype=DT_FLOAT)
+         .op("MatMul", "mm", ["x", "r"], T=DT_FLOAT)
+         .build())
+
+Inputs are written as in a NodeDef: "node", "node:1" or "^node". Attribute
+values are converted by type: bool -> b, float -> f, str/bytes -> s, int -> i
+except for the type attributes in TYPE_ATTRS (T, dtype, ...), where an int is
+a DataType; an AttrValue is used as is.
+
+The families mirror what TensorFlow 2 / Keras emit for a training step
+(_Arg inputs, DT_RESOURCE handles, ReadVariableOp, gradient ops under
+gradient_tape/, optimizer updates) so that structural detection is exercised
+on realistic shapes of graphs, and each family documents the names the tests
+rely on as module constants.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import tensor_pb2
+from tensorflow.core.framework import tensor_shape_pb2
+from tensorflow.core.framework import types_pb2
+
+DT_FLOAT = types_pb2.DT_FLOAT
+DT_INT32 = types_pb2.DT_INT32
+DT_INT64 = types_pb2.DT_INT64
+DT_BOOL = types_pb2.DT_BOOL
+DT_RESOURCE = types_pb2.DT_RESOURCE
+
+TYPE_ATTRS = frozenset({"T", "dtype", "Tidx", "Tindices", "Tparams", "Tshape",
+                        "Tmultiples", "out_type", "SrcT", "DstT", "index_type"})
+
+
+def _tensor(value, dtype, shape=None) -> tensor_pb2.TensorProto:
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if shape is None:
+        shape = [len(values)] if isinstance(value, (list, tuple)) else []
+    tensor = tensor_pb2.TensorProto(dtype=dtype)
+    tensor.tensor_shape.CopyFrom(tensor_shape_pb2.TensorShapeProto(
+        dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=s) for s in shape]))
+    if dtype == DT_FLOAT:
+        tensor.float_val.extend(float(v) for v in values)
+    elif dtype == DT_INT64:
+        tensor.int64_val.extend(int(v) for v in values)
+    elif dtype == DT_BOOL:
+        tensor.bool_val.extend(bool(v) for v in values)
+    else:
+        tensor.int_val.extend(int(v) for v in values)
+    return tensor
+
+
+def attr_value(key: str, value) -> attr_value_pb2.AttrValue:
+    """Converts a Python value to the AttrValue for attribute `key`."""
+    if isinstance(value, attr_value_pb2.AttrValue):
+        return value
+    if isinstance(value, tensor_pb2.TensorProto):
+        return attr_value_pb2.AttrValue(tensor=value)
+    if isinstance(value, bool):
+        return attr_value_pb2.AttrValue(b=value)
+    if isinstance(value, int):
+        if key in TYPE_ATTRS:
+            return attr_value_pb2.AttrValue(type=value)
+        return attr_value_pb2.AttrValue(i=value)
+    if isinstance(value, float):
+        return attr_value_pb2.AttrValue(f=value)
+    if isinstance(value, str):
+        return attr_value_pb2.AttrValue(s=value.encode("utf-8"))
+    if isinstance(value, bytes):
+        return attr_value_pb2.AttrValue(s=value)
+    if isinstance(value, (list, tuple)):
+        return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+            i=[int(v) for v in value]))
+    raise TypeError(f"no AttrValue conversion for {key}={value!r}")
+
+
+class GraphBuilder:
+    """Appends NodeDefs in call order; build() returns a GraphDef copy.
+
+    Nothing is validated (duplicate names and dangling inputs are allowed), so
+    malformed graphs can be built on purpose.
+    """
+
+    def __init__(self, producer: int = 1994):
+        self._graph = graph_pb2.GraphDef()
+        self._graph.versions.producer = producer
+        self._args = 0
+        self._retvals = 0
+
+    def op(self, op: str, name: str, inputs: Sequence[str] = (), device: str = "",
+           **attrs) -> "GraphBuilder":
+        node = self._graph.node.add(name=name, op=op, device=device)
+        node.input.extend(inputs)
+        for key, value in attrs.items():
+            node.attr[key].CopyFrom(attr_value(key, value))
+        return self
+
+    def arg(self, name: str, dtype: int = DT_FLOAT, index: int | None = None,
+            **attrs) -> "GraphBuilder":
+        """A function argument (_Arg), indexed in call order by default."""
+        if index is None:
+            index = self._args
+        self._args += 1
+        return self.op("_Arg", name, (), T=dtype, index=index, **attrs)
+
+    def const(self, name: str, value=0.0, dtype: int = DT_FLOAT,
+              inputs: Sequence[str] = (), shape: Sequence[int] | None = None,
+              ) -> "GraphBuilder":
+        """A Const; `inputs` may hold control inputs ("^node")."""
+        return self.op("Const", name, inputs, dtype=dtype,
+                       value=_tensor(value, dtype, shape))
+
+    def retval(self, name: str, value: str, dtype: int = DT_FLOAT,
+               index: int | None = None) -> "GraphBuilder":
+        """A function result (_Retval) fed by `value`."""
+        if index is None:
+            index = self._retvals
+        self._retvals += 1
+        return self.op("_Retval", name, [value], T=dtype, index=index)
+
+    def read(self, name: str, handle: str, inputs: Iterable[str] = (),
+             dtype: int = DT_FLOAT) -> "GraphBuilder":
+        """ReadVariableOp of `handle`, with extra (control) inputs appended."""
+        return self.op("ReadVariableOp", name, [handle, *inputs], dtype=dtype)
+
+    def build(self) -> graph_pb2.GraphDef:
+        out = graph_pb2.GraphDef()
+        out.CopyFrom(self._graph)
+        return out
+
+
+# --------------------------------------------------------------------------
+# Training steps.
+# --------------------------------------------------------------------------
+
+# Names shared by the dense families (y = relu(x @ W), loss = sum(y^2)).
+X = "x"
+W_HANDLE = "sequential_dense_matmul_readvariableop_resource"
+W_READ = "sequential/dense/MatMul/ReadVariableOp"
+FWD_MATMUL = "sequential/dense/MatMul"
+RELU = "sequential/dense/Relu"
+LOSS = "loss/Sum"
+RELU_GRAD = "gradient_tape/sequential/dense/ReluGrad"
+DW = "gradient_tape/sequential/dense/MatMul/MatMul_1"   # dW = x^T dy
+SGD_UPDATE = "SGD/AssignSubVariableOp"
+
+
+def _dense_forward_and_grad(b: GraphBuilder) -> GraphBuilder:
+    """x, W's handle, forward y = relu(x @ W), loss = sum(y^2), dW = x^T dy."""
+    (b.arg(X, DT_FLOAT)
+     .arg(W_HANDLE, DT_RESOURCE)
+     .read(W_READ, W_HANDLE)
+     .op("MatMul", FWD_MATMUL, [X, W_READ], T=DT_FLOAT,
+         transpose_a=False, transpose_b=False)
+     .op("Relu", RELU, [FWD_MATMUL], T=DT_FLOAT)
+     .op("Square", "loss/Square", [RELU], T=DT_FLOAT)
+     .const("loss/Const", [0, 1], DT_INT32)
+     .op("Sum", LOSS, ["loss/Square", "loss/Const"], T=DT_FLOAT, Tidx=DT_INT32,
+         keep_dims=False)
+     # d loss / d loss = 1, broadcast back over the reduced axes.
+     .const("gradient_tape/loss/ones", 1.0)
+     .const("gradient_tape/loss/Reshape/shape", [1, 1], DT_INT32)
+     .op("Reshape", "gradient_tape/loss/Reshape",
+         ["gradient_tape/loss/ones", "gradient_tape/loss/Reshape/shape"],
+         T=DT_FLOAT, Tshape=DT_INT32)
+     .op("Shape", "gradient_tape/loss/Shape", ["loss/Square"], T=DT_FLOAT,
+         out_type=DT_INT32)
+     .op("Tile", "gradient_tape/loss/Tile",
+         ["gradient_tape/loss/Reshape", "gradient_tape/loss/Shape"],
+         T=DT_FLOAT, Tmultiples=DT_INT32)
+     # d(y^2)/dy = 2y.
+     .const("gradient_tape/loss/Square/Const", 2.0)
+     .op("Mul", "gradient_tape/loss/Square/Mul",
+         [RELU, "gradient_tape/loss/Square/Const"], T=DT_FLOAT)
+     .op("Mul", "gradient_tape/loss/Square/Mul_1",
+         ["gradient_tape/loss/Tile", "gradient_tape/loss/Square/Mul"], T=DT_FLOAT)
+     .op("ReluGrad", RELU_GRAD, ["gradient_tape/loss/Square/Mul_1", RELU],
+         T=DT_FLOAT)
+     .op("MatMul", DW, [X, RELU_GRAD], T=DT_FLOAT, transpose_a=True,
+         transpose_b=False))
+    return b
+
+
+def train_mlp() -> graph_pb2.GraphDef:
+    """One SGD step of y = relu(x @ W): W -= lr * x^T dy.
+
+    Trained variable: W_HANDLE; weight gradient: DW; update: SGD_UPDATE.
+    """
+    b = _dense_forward_and_grad(GraphBuilder())
+    (b.const("SGD/learning_rate", 0.01)
+     .op("Mul", "SGD/Mul", ["SGD/learning_rate", DW], T=DT_FLOAT)
+     .op("AssignSubVariableOp", SGD_UPDATE, [W_HANDLE, "SGD/Mul"], dtype=DT_FLOAT)
+     .op("Identity", "Identity", [LOSS, "^" + SGD_UPDATE], T=DT_FLOAT)
+     .retval("identity_retval", "Identity"))
+    return b.build()
+
+
+M_HANDLE = "adam_assignaddvariableop_resource"
+ITER_HANDLE = "adam_readvariableop_resource"
+LR_HANDLE = "adam_readvariableop_1_resource"
+M_UPDATE = "Adam/AssignAddVariableOp"
+M_READ_AFTER = "Adam/ReadVariableOp_3"
+ADAM_UPDATE = "Adam/AssignSubVariableOp"
+ITER_UPDATE = "Adam/AssignAddVariableOp_1"
+
+
+def adam_style_train(control_edge: bool = True) -> graph_pb2.GraphDef:
+    """A Keras 3 Adam-like step (first moment only).
+
+    m.assign_add((g - m) * (1 - beta1)); W.assign_sub(read(m) * alpha) where
+    the second read of m (M_READ_AFTER) is ordered after the write only by a
+    control input from M_UPDATE: the weight update's value depends on the
+    gradient through that control edge alone. alpha = lr / (1 - beta1^t) reads
+    the learning-rate and iteration variables; the iteration counter is bumped
+    after the weight update (automatic control dependencies).
+
+    With control_edge=False the ^M_UPDATE input is left out.
+    """
+    b = _dense_forward_and_grad(GraphBuilder())
+    (b.arg(M_HANDLE, DT_RESOURCE)
+     .arg(ITER_HANDLE, DT_RESOURCE)
+     .arg(LR_HANDLE, DT_RESOURCE)
+     # alpha = lr / (1 - beta1 ** (iterations + 1))
+     .read("Adam/ReadVariableOp", ITER_HANDLE, dtype=DT_INT64)
+     .op("Cast", "Adam/Cast", ["Adam/ReadVariableOp"], SrcT=DT_INT64, DstT=DT_FLOAT)
+     .const("Adam/add/y", 1.0)
+     .op("AddV2", "Adam/add", ["Adam/Cast", "Adam/add/y"], T=DT_FLOAT)
+     .const("Adam/Pow/x", 0.9)
+     .op("Pow", "Adam/Pow", ["Adam/Pow/x", "Adam/add"], T=DT_FLOAT)
+     .const("Adam/sub/x", 1.0)
+     .op("Sub", "Adam/sub", ["Adam/sub/x", "Adam/Pow"], T=DT_FLOAT)
+     .read("Adam/ReadVariableOp_1", LR_HANDLE)
+     .op("RealDiv", "Adam/truediv", ["Adam/ReadVariableOp_1", "Adam/sub"],
+         T=DT_FLOAT)
+     # m.assign_add((g - m) * (1 - beta1))
+     .read("Adam/ReadVariableOp_2", M_HANDLE)
+     .op("Sub", "Adam/sub_1", [DW, "Adam/ReadVariableOp_2"], T=DT_FLOAT)
+     .const("Adam/mul/y", 0.1)
+     .op("Mul", "Adam/mul", ["Adam/sub_1", "Adam/mul/y"], T=DT_FLOAT)
+     .op("AssignAddVariableOp", M_UPDATE, [M_HANDLE, "Adam/mul"], dtype=DT_FLOAT)
+     # W.assign_sub(m * alpha), m read after its update.
+     .read(M_READ_AFTER, M_HANDLE, ["^" + M_UPDATE] if control_edge else [])
+     .op("Mul", "Adam/mul_1", [M_READ_AFTER, "Adam/truediv"], T=DT_FLOAT)
+     .op("AssignSubVariableOp", ADAM_UPDATE, [W_HANDLE, "Adam/mul_1"],
+         dtype=DT_FLOAT)
+     # iterations.assign_add(1)
+     .const("Adam/Const", 1, DT_INT64)
+     .op("AssignAddVariableOp", ITER_UPDATE,
+         [ITER_HANDLE, "Adam/Const", "^" + ADAM_UPDATE], dtype=DT_INT64)
+     .op("Identity", "Identity", [LOSS, "^" + ADAM_UPDATE, "^" + ITER_UPDATE],
+         T=DT_FLOAT)
+     .retval("identity_retval", "Identity"))
+    return b.build()
+
+
+W1_HANDLE = "sequential_dense_matmul_readvariableop_resource"
+W2_HANDLE = "sequential_dense_1_matmul_readvariableop_resource"
+DW1 = "gradient_tape/sequential/dense/MatMul/MatMul_1"
+DW2 = "gradient_tape/sequential/dense_1/MatMul/MatMul_1"
+DA1 = "gradient_tape/sequential/dense_1/MatMul/MatMul"
+
+
+def train_mlp2_weight_decay() -> graph_pb2.GraphDef:
+    """Two dense layers; SGD on both, with weight decay on the second.
+
+    h = relu(x @ W1) @ W2, loss = sum(h^2). W1 -= lr dW1 and W2 -= lr dW2
+    (gradient updates); W2 is also decayed, W2.assign(W2 - wd * W2), which
+    reads W2 a second time: W2 has two readers, W1 one. W1 is listed first.
+    """
+    b = GraphBuilder()
+    (b.arg(X)
+     .arg(W1_HANDLE, DT_RESOURCE)
+     .arg(W2_HANDLE, DT_RESOURCE)
+     .read("sequential/dense/MatMul/ReadVariableOp", W1_HANDLE)
+     .op("MatMul", "sequential/dense/MatMul",
+         [X, "sequential/dense/MatMul/ReadVariableOp"], T=DT_FLOAT)
+     .op("Relu", "sequential/dense/Relu", ["sequential/dense/MatMul"], T=DT_FLOAT)
+     .read("sequential/dense_1/MatMul/ReadVariableOp", W2_HANDLE)
+     .op("MatMul", "sequential/dense_1/MatMul",
+         ["sequential/dense/Relu", "sequential/dense_1/MatMul/ReadVariableOp"],
+         T=DT_FLOAT)
+     .op("Square", "loss/Square", ["sequential/dense_1/MatMul"], T=DT_FLOAT)
+     .const("loss/Const", [0, 1], DT_INT32)
+     .op("Sum", "loss/Sum", ["loss/Square", "loss/Const"], T=DT_FLOAT,
+         Tidx=DT_INT32)
+     .const("gradient_tape/loss/Square/Const", 2.0)
+     .op("Mul", "gradient_tape/loss/Square/Mul",
+         ["sequential/dense_1/MatMul", "gradient_tape/loss/Square/Const"],
+         T=DT_FLOAT)
+     .op("MatMul", DA1, ["gradient_tape/loss/Square/Mul",
+                         "sequential/dense_1/MatMul/ReadVariableOp"],
+         T=DT_FLOAT, transpose_b=True)
+     .op("MatMul", DW2, ["sequential/dense/Relu", "gradient_tape/loss/Square/Mul"],
+         T=DT_FLOAT, transpose_a=True)
+     .op("ReluGrad", "gradient_tape/sequential/dense/ReluGrad",
+         [DA1, "sequential/dense/Relu"], T=DT_FLOAT)
+     .op("MatMul", DW1, [X, "gradient_tape/sequential/dense/ReluGrad"],
+         T=DT_FLOAT, transpose_a=True)
+     .const("SGD/learning_rate", 0.01)
+     .op("Mul", "SGD/Mul", ["SGD/learning_rate", DW1], T=DT_FLOAT)
+     .op("AssignSubVariableOp", "SGD/AssignSubVariableOp", [W1_HANDLE, "SGD/Mul"],
+         dtype=DT_FLOAT)
+     .read("SGD/ReadVariableOp", W2_HANDLE)
+     .const("SGD/weight_decay", 0.0001)
+     .op("Mul", "SGD/Mul_1", ["SGD/ReadVariableOp", "SGD/weight_decay"],
+         T=DT_FLOAT)
+     .op("Sub", "SGD/sub", ["SGD/ReadVariableOp", "SGD/Mul_1"], T=DT_FLOAT)
+     .op("AssignVariableOp", "SGD/AssignVariableOp", [W2_HANDLE, "SGD/sub"],
+         dtype=DT_FLOAT)
+     .op("Mul", "SGD/Mul_2", ["SGD/learning_rate", DW2], T=DT_FLOAT)
+     .op("AssignSubVariableOp", "SGD/AssignSubVariableOp_1",
+         [W2_HANDLE, "SGD/Mul_2", "^SGD/AssignVariableOp"], dtype=DT_FLOAT)
+     .retval("loss_retval", "loss/Sum"))
+    return b.build()
+
+
+CONV_FILTER_HANDLE = "conv2d_convolution_readvariableop_resource"
+CONV_FILTER_GRAD = "gradient_tape/conv2d/Conv2D/Conv2DBackpropFilter"
+
+
+def conv_train() -> graph_pb2.GraphDef:
+    """SGD on a Conv2D filter: dW = Conv2DBackpropFilter(x, Shape(W), dy)."""
+    conv_attrs = dict(T=DT_FLOAT, strides=[1, 1, 1, 1], padding="SAME",
+                      data_format="NHWC")
+    b = GraphBuilder()
+    (b.arg("images")
+     .arg(CONV_FILTER_HANDLE, DT_RESOURCE)
+     .read("conv2d/Conv2D/ReadVariableOp", CONV_FILTER_HANDLE)
+     .op("Conv2D", "conv2d/Conv2D", ["images", "conv2d/Conv2D/ReadVariableOp"],
+         **conv_attrs)
+     .op("Square", "loss/Square", ["conv2d/Conv2D"], T=DT_FLOAT)
+     .const("loss/Const", [0, 1, 2, 3], DT_INT32)
+     .op("Sum", "loss/Sum", ["loss/Square", "loss/Const"], T=DT_FLOAT,
+         Tidx=DT_INT32)
+     .const("gradient_tape/loss/Square/Const", 2.0)
+     .op("Mul", "gradient_tape/loss/Square/Mul",
+         ["conv2d/Conv2D", "gradient_tape/loss/Square/Const"], T=DT_FLOAT)
+     .op("Shape", "gradient_tape/conv2d/Conv2D/Shape",
+         ["conv2d/Conv2D/ReadVariableOp"], T=DT_FLOAT, out_type=DT_INT32)
+     .op("Conv2DBackpropFilter", CONV_FILTER_GRAD,
+         ["images", "gradient_tape/conv2d/Conv2D/Shape",
+          "gradient_tape/loss/Square/Mul"], **conv_attrs)
+     .const("SGD/learning_rate", 0.01)
+     .op("Mul", "SGD/Mul", ["SGD/learning_rate", CONV_FILTER_GRAD], T=DT_FLOAT)
+     .op("AssignSubVariableOp", "SGD/AssignSubVariableOp",
+         [CONV_FILTER_HANDLE, "SGD/Mul"], dtype=DT_FLOAT)
+     .retval("loss_retval", "loss/Sum"))
+    return b.build()
+
+
+IDS = "ids"
+TABLE_HANDLE = "embedding_embedding_lookup_readvariableop_resource"
+GATHER = "embedding/embedding_lookup"
+SCATTER = "SGD/ResourceScatterAdd"
+
+
+def embedding_train() -> graph_pb2.GraphDef:
+    """SGD on an embedding table alone: pred = sum(E[ids], axis=1).
+
+    Forward: ResourceGather(E, ids); update: ResourceScatterAdd(E, ids,
+    -lr * d emb). The only activation that meets the table's value is `ids`,
+    so the weight gradient is the sparse update keyed by the ids (SCATTER).
+    """
+    b = GraphBuilder()
+    (b.arg(IDS, DT_INT32)
+     .arg(TABLE_HANDLE, DT_RESOURCE)
+     .arg("labels")
+     .op("ResourceGather", GATHER, [TABLE_HANDLE, IDS], dtype=DT_FLOAT,
+         Tindices=DT_INT32, batch_dims=0, validate_indices=True)
+     .const("sum/axis", 1, DT_INT32)
+     .op("Sum", "sum", [GATHER, "sum/axis"], T=DT_FLOAT, Tidx=DT_INT32)
+     .op("Sub", "loss/sub", ["sum", "labels"], T=DT_FLOAT)
+     .op("Square", "loss/Square", ["loss/sub"], T=DT_FLOAT)
+     .const("loss/Const", 0, DT_INT32)
+     .op("Sum", "loss/Sum", ["loss/Square", "loss/Const"], T=DT_FLOAT,
+         Tidx=DT_INT32)
+     .const("gradient_tape/loss/Square/Const", 2.0)
+     .op("Mul", "gradient_tape/loss/Square/Mul",
+         ["loss/sub", "gradient_tape/loss/Square/Const"], T=DT_FLOAT)
+     .const("gradient_tape/sum/Reshape/shape", [-1, 1], DT_INT32)
+     .op("Reshape", "gradient_tape/sum/Reshape",
+         ["gradient_tape/loss/Square/Mul", "gradient_tape/sum/Reshape/shape"],
+         T=DT_FLOAT, Tshape=DT_INT32)
+     .op("Shape", "gradient_tape/sum/Shape", [GATHER], T=DT_FLOAT,
+         out_type=DT_INT32)
+     .op("Tile", "gradient_tape/sum/Tile",
+         ["gradient_tape/sum/Reshape", "gradient_tape/sum/Shape"], T=DT_FLOAT,
+         Tmultiples=DT_INT32)
+     .const("SGD/neg_learning_rate", -0.01)
+     .op("Mul", "SGD/Mul", ["SGD/neg_learning_rate", "gradient_tape/sum/Tile"],
+         T=DT_FLOAT)
+     .op("ResourceScatterAdd", SCATTER, [TABLE_HANDLE, IDS, "SGD/Mul"],
+         dtype=DT_FLOAT, Tindices=DT_INT32)
+     .retval("loss_retval", "loss/Sum"))
+    return b.build()
+
+
+DENSE_ON_EMB_W = "dense_matmul_readvariableop_resource"
+D_EMB = "gradient_tape/dense/MatMul/MatMul"   # d emb = dh W^T
+
+
+def embedding_dense_train() -> graph_pb2.GraphDef:
+    """SGD on an embedding table followed by a frozen dense layer.
+
+    h = E[ids] @ W (W not updated); the table's gradient dE = dh W^T (D_EMB)
+    consumes W's read, which meets the table's value in the forward MatMul.
+    """
+    b = GraphBuilder()
+    (b.arg(IDS, DT_INT32)
+     .arg(TABLE_HANDLE, DT_RESOURCE)
+     .arg(DENSE_ON_EMB_W, DT_RESOURCE)
+     .op("ResourceGather", GATHER, [TABLE_HANDLE, IDS], dtype=DT_FLOAT,
+         Tindices=DT_INT32)
+     .read("dense/MatMul/ReadVariableOp", DENSE_ON_EMB_W)
+     .op("MatMul", "dense/MatMul", [GATHER, "dense/MatMul/ReadVariableOp"],
+         T=DT_FLOAT)
+     .op("Square", "loss/Square", ["dense/MatMul"], T=DT_FLOAT)
+     .const("loss/Const", [0, 1], DT_INT32)
+     .op("Sum", "loss/Sum", ["loss/Square", "loss/Const"], T=DT_FLOAT,
+         Tidx=DT_INT32)
+     .const("gradient_tape/loss/Square/Const", 2.0)
+     .op("Mul", "gradient_tape/loss/Square/Mul",
+         ["dense/MatMul", "gradient_tape/loss/Square/Const"], T=DT_FLOAT)
+     .op("MatMul", D_EMB,
+         ["gradient_tape/loss/Square/Mul", "dense/MatMul/ReadVariableOp"],
+         T=DT_FLOAT, transpose_a=False, transpose_b=True)
+     .const("SGD/neg_learning_rate", -0.01)
+     .op("Mul", "SGD/Mul", ["SGD/neg_learning_rate", D_EMB], T=DT_FLOAT)
+     .op("ResourceScatterAdd", SCATTER, [TABLE_HANDLE, IDS, "SGD/Mul"],
+         dtype=DT_FLOAT, Tindices=DT_INT32)
+     .retval("loss_retval", "loss/Sum"))
+    return b.build()
+
+
+# --------------------------------------------------------------------------
+# Graphs that are not training steps.
+# --------------------------------------------------------------------------
+
+def _dense_forward(b: GraphBuilder) -> GraphBuilder:
+    return (b.arg(X)
+            .arg(W_HANDLE, DT_RESOURCE)
+            .read(W_READ, W_HANDLE)
+            .op("MatMul", FWD_MATMUL, [X, W_READ], T=DT_FLOAT)
+            .op("Relu", RELU, [FWD_MATMUL], T=DT_FLOAT))
+
+
+def forward_only() -> graph_pb2.GraphDef:
+    """predict(): y = relu(x @ W), no variable written."""
+    b = _dense_forward(GraphBuilder())
+    (b.op("Identity", "Identity", [RELU], T=DT_FLOAT)
+     .retval("identity_retval", "Identity"))
+    return b.build()
+
+
+TOTAL_HANDLE = "mean_assignaddvariableop_resource"
+COUNT_HANDLE = "mean_assignaddvariableop_1_resource"
+
+
+def _mean_metric(b: GraphBuilder, value: str) -> GraphBuilder:
+    """Keras Mean: total += sum(value); count += size(value); total / count."""
+    return (b.arg(TOTAL_HANDLE, DT_RESOURCE)
+            .arg(COUNT_HANDLE, DT_RESOURCE)
+            .const("mean/Const", [0, 1], DT_INT32)
+            .op("Sum", "mean/Sum", [value, "mean/Const"], T=DT_FLOAT,
+                Tidx=DT_INT32)
+            .op("AssignAddVariableOp", "mean/AssignAddVariableOp",
+                [TOTAL_HANDLE, "mean/Sum"], dtype=DT_FLOAT)
+            .op("Size", "mean/Size", [value], T=DT_FLOAT, out_type=DT_INT32)
+            .op("Cast", "mean/Cast", ["mean/Size"], SrcT=DT_INT32, DstT=DT_FLOAT)
+            .op("AssignAddVariableOp", "mean/AssignAddVariableOp_1",
+                [COUNT_HANDLE, "mean/Cast", "^mean/AssignAddVariableOp"],
+                dtype=DT_FLOAT)
+            .read("mean/div_no_nan/ReadVariableOp", TOTAL_HANDLE,
+                  ["^mean/AssignAddVariableOp", "^mean/AssignAddVariableOp_1"])
+            .read("mean/div_no_nan/ReadVariableOp_1", COUNT_HANDLE,
+                  ["^mean/AssignAddVariableOp_1"])
+            .op("DivNoNan", "mean/div_no_nan",
+                ["mean/div_no_nan/ReadVariableOp",
+                 "mean/div_no_nan/ReadVariableOp_1"], T=DT_FLOAT)
+            .op("Identity", "Identity", ["mean/div_no_nan"], T=DT_FLOAT)
+            .retval("identity_retval", "Identity"))
+
+
+def metrics_only() -> graph_pb2.GraphDef:
+    """evaluate(): forward on W (never written) plus a Mean metric update."""
+    return _mean_metric(_dense_forward(GraphBuilder()), RELU).build()
+
+
+RESIDUAL_ADD = "block/add"
+
+
+def forward_with_residual_and_metric() -> graph_pb2.GraphDef:
+    """z = x + relu(x @ W) (W square, never written) feeding a Mean metric.
+
+    The skip connection makes an op that consumes x (RESIDUAL_ADD) lie
+    downstream of the op that meets W's value and x (the forward MatMul) and
+    upstream of a variable update (the metric's), without any gradient.
+    """
+    b = _dense_forward(GraphBuilder())
+    b.op("AddV2", RESIDUAL_ADD, [X, RELU], T=DT_FLOAT)
+    return _mean_metric(b, RESIDUAL_ADD).build()
+
+
+def scatter_nd_residual_forward() -> graph_pb2.GraphDef:
+    """Inference with a stateless ScatterNd after a residual block.
+
+    out = ScatterNd(idx, z, shape) where z = x * cast(idx) + x: no variable
+    is written anywhere (ScatterNd builds a new tensor).
+    """
+    b = GraphBuilder()
+    (b.arg("idx", DT_INT32)
+     .arg(X)
+     .op("Cast", "block/Cast", ["idx"], SrcT=DT_INT32, DstT=DT_FLOAT)
+     .op("Mul", "block/mul", ["block/Cast", X], T=DT_FLOAT)
+     .op("AddV2", "block/add", ["block/mul", X], T=DT_FLOAT)
+     .const("scatter/shape", [8, 4], DT_INT32)
+     .op("ScatterNd", "scatter/ScatterNd", ["idx", "block/add", "scatter/shape"],
+         T=DT_FLOAT, Tindices=DT_INT32)
+     .retval("out_retval", "scatter/ScatterNd"))
+    return b.build()
+
+
+# --------------------------------------------------------------------------
+# Small shapes for index tests.
+# --------------------------------------------------------------------------
+
+def chain(n: int = 4) -> graph_pb2.GraphDef:
+    """n0 -> n1 -> ... -> n{n-1} (n0 a Const, the rest Identity)."""
+    b = GraphBuilder().const("n0", 1.0)
+    for i in range(1, n):
+        b.op("Identity", f"n{i}", [f"n{i - 1}"], T=DT_FLOAT)
+    return b.build()
+
+
+def diamond() -> graph_pb2.GraphDef:
+    """a -> b, a -> c, (b, c) -> d, listed in the order d, b, c, a."""
+    return (GraphBuilder()
+            .op("AddV2", "d", ["b", "c"], T=DT_FLOAT)
+            .op("Neg", "b", ["a"], T=DT_FLOAT)
+            .op("Exp", "c", ["a"], T=DT_FLOAT)
+            .const("a", 1.0)
+            .build())
+
+
+def two_sources() -> graph_pb2.GraphDef:
+    """sink(p, q), q, p(r), r: two sources ready at once (q at 1, r at 3)."""
+    return (GraphBuilder()
+            .op("AddV2", "sink", ["p", "q"], T=DT_FLOAT)
+            .const("q", 1.0)
+            .op("Neg", "p", ["r"], T=DT_FLOAT)
+            .const("r", 2.0)
+            .build())
+
+
+def skip_connection() -> graph_pb2.GraphDef:
+    """x -> f1 -> f2, out = x + f2, with out listed first."""
+    return (GraphBuilder()
+            .op("AddV2", "out", ["x", "f2"], T=DT_FLOAT)
+            .op("Relu", "f2", ["f1"], T=DT_FLOAT)
+            .op("Relu", "f1", ["x"], T=DT_FLOAT)
+            .arg("x")
+            .build())
+
+
+def duplicate_name() -> graph_pb2.GraphDef:
+    return (GraphBuilder().arg("x").op("Identity", "y", ["x"], T=DT_FLOAT)
+            .op("Neg", "y", ["x"], T=DT_FLOAT).build())
+
+
+def missing_input() -> graph_pb2.GraphDef:
+    return (GraphBuilder().arg("x")
+            .op("AddV2", "y", ["x", "nowhere:1"], T=DT_FLOAT).build())
+
+
+def missing_control_input() -> graph_pb2.GraphDef:
+    return (GraphBuilder().arg("x")
+            .op("Identity", "y", ["x", "^nowhere"], T=DT_FLOAT).build())
+
+
+def while_loop() -> graph_pb2.GraphDef:
+    """TF1 `while i < 10: i += 1`, NextIteration listed before the Merge.
+
+    Back edge: while/NextIteration -> while/Merge:1.
+    """
+    frame = dict(frame_name="while/while_context", is_constant=False,
+                 parallel_iterations=10)
+    return (GraphBuilder()
+            .const("i0", 0, DT_INT32)
+            .op("NextIteration", "while/NextIteration", ["while/add"], T=DT_INT32)
+            .op("Enter", "while/Enter", ["i0"], T=DT_INT32, **frame)
+            .op("Merge", "while/Merge", ["while/Enter", "while/NextIteration"],
+                T=DT_INT32, N=2)
+            .const("while/Less/y", 10, DT_INT32, inputs=["^while/Merge"])
+            .op("Less", "while/Less", ["while/Merge", "while/Less/y"], T=DT_INT32)
+            .op("LoopCond", "while/LoopCond", ["while/Less"])
+            .op("Switch", "while/Switch", ["while/Merge", "while/LoopCond"],
+                T=DT_INT32)
+            .op("Identity", "while/Identity", ["while/Switch:1"], T=DT_INT32)
+            .const("while/add/y", 1, DT_INT32, inputs=["^while/Identity"])
+            .op("AddV2", "while/add", ["while/Identity", "while/add/y"], T=DT_INT32)
+            .op("Exit", "while/Exit", ["while/Switch"], T=DT_INT32)
+            .op("Identity", "result", ["while/Exit"], T=DT_INT32)
+            .build())
+
+
+def real_cycle() -> graph_pb2.GraphDef:
+    """a <-> b (no NextIteration on the cycle) plus a free node c."""
+    return (GraphBuilder()
+            .op("Neg", "a", ["b"], T=DT_FLOAT)
+            .op("Neg", "b", ["a"], T=DT_FLOAT)
+            .const("c", 1.0)
+            .build())
