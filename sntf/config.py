@@ -190,6 +190,9 @@ class Options:
     host_pool_limit: Optional[int] = None
     # Most reports kept; the oldest are dropped first.
     max_reports: int = 1000
+    # Keep each training graph's GraphDefs and Analysis in its report (for
+    # tools/sntf_dump); costs memory, off by default.
+    keep_graphs: bool = False
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
@@ -209,9 +212,10 @@ def parse_options(options: Mapping[str, Any]) -> Options:
         raise TypeError(f"sntf.enable() got unknown option(s) {unknown}; "
                         f"accepted options: {', '.join(OPTION_NAMES)}")
     values = dict(options)
-    if "identity_rewrite" in values and not isinstance(values["identity_rewrite"], bool):
-        raise ValueError(f"sntf: identity_rewrite must be True or False, got "
-                         f"{values['identity_rewrite']!r}")
+    for flag in ("identity_rewrite", "keep_graphs"):
+        if flag in values and not isinstance(values[flag], bool):
+            raise ValueError(f"sntf: {flag} must be True or False, got "
+                             f"{values[flag]!r}")
     batch = values.get("batch_size")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int)
                               or batch <= 0):

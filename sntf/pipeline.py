@@ -13,7 +13,7 @@ import time
 import traceback
 from typing import Callable, Optional, Sequence
 
-from sntf import config, graph, planner, rewrite
+from sntf import analysis, config, graph, planner, rewrite
 
 # Report actions.
 UNCHANGED = "unchanged"        # looked at, deliberately left as is
@@ -51,6 +51,9 @@ def new_report(name: str = "", nodes: int = 0) -> dict:
         "devices": [],
         "error": None,
         "invocations": 1,
+        "batch": None,
+        "analysis": None,
+        "analysis_error": None,
     }
 
 
@@ -88,7 +91,7 @@ def run_pass(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
         report["nodes"] = len(index)
         report["graph"] = graph.name_hint(index)
         report["devices"] = sorted({d for d in index.devices if d})
-        return _plan_and_rewrite(graph_def, index, state, report, start)
+        return _plan_and_rewrite(graph_def, index, state, report, start, properties)
     except Exception as e:  # noqa: BLE001 - the pass must never fail a graph
         report["action"] = ERROR
         report["reason"] = f"{type(e).__name__}: {e}"
@@ -96,8 +99,54 @@ def run_pass(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
         return _finish(report, start)
 
 
+def decode_properties(raw: dict) -> dict:
+    """Serialized OpInfo.TensorProperties per node -> [(dtype, shape or None)].
+
+    Args:
+      raw: node name -> list of serialized TensorProperties (one per output).
+
+    Returns:
+      node name -> list of (DataType enum, dims with -1 for unknown, or None
+      for an unknown rank).
+    """
+    from tensorflow.core.protobuf import config_pb2  # noqa: F401 - registers deps
+    from tensorflow.core.grappler.costs import op_performance_data_pb2 as perf
+
+    decoded = {}
+    for name, outputs in raw.items():
+        items = []
+        for data in outputs:
+            p = perf.OpInfo.TensorProperties.FromString(data)
+            shape = None if p.shape.unknown_rank else tuple(d.size for d in p.shape.dim)
+            items.append((p.dtype, shape))
+        decoded[name] = items
+    return decoded
+
+
+def _analyze(index: graph.GraphIndex, state: config.State,
+             properties: Optional[PropertiesFn], report: dict):
+    """Runs the analysis; on failure the report says why and planning goes on
+    without it (the plan then changes nothing)."""
+    if properties is None:
+        report["analysis_error"] = "no static properties were handed over"
+        return None
+    try:
+        props = decode_properties(properties(list(index.names)))
+        batch = state.options.batch_size or analysis.infer_batch(props)
+        facts = analysis.analyze(index, props, batch=batch)
+    except Exception as e:  # noqa: BLE001 - the analysis must not fail the graph
+        report["analysis_error"] = f"{type(e).__name__}: {e}"
+        return None
+    report["batch"] = batch
+    report["predicted_peak_bytes"] = facts.predicted_peak_bytes
+    report["lower_bound_bytes"] = facts.lower_bound_bytes
+    report["analysis"] = facts.summary()
+    return facts
+
+
 def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
-                      report: dict, start: float) -> PassResult:
+                      report: dict, start: float,
+                      properties: Optional[PropertiesFn] = None) -> PassResult:
     if index.sntf_nodes:
         report["action"] = UNCHANGED
         report["reason"] = (f"already rewritten by sntf ({len(index.sntf_nodes)} "
@@ -115,8 +164,19 @@ def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
         report["reason"] = ("XLA-compiled graph: custom ops cannot run inside "
                             "an XLA cluster, so sntf leaves it alone")
         return _finish(report, start)
+    facts = _analyze(index, state, properties, report)
     plan = planner.make_plan(state.policy)
+    if facts is not None:
+        plan = dataclasses.replace(
+            plan, predicted_peak_bytes=facts.predicted_peak_bytes,
+            planned_peak_bytes=facts.predicted_peak_bytes,
+            lower_bound_bytes=facts.lower_bound_bytes)
+        report["planned_peak_bytes"] = plan.planned_peak_bytes
     result = rewrite.apply_plan(graph_def, plan)
+    if state.options.keep_graphs:
+        report["original_graph"] = graph_def
+        report["rewritten_graph"] = result.graph_def
+        report["analysis_result"] = facts
     report["swapped"] = plan.tensors(planner.SWAP)
     report["recomputed"] = plan.tensors(planner.RECOMPUTE)
     report["plan"] = plan.to_dict()

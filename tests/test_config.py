@@ -219,7 +219,7 @@ def test_parse_options_defaults():
 
 def test_option_names():
     assert config.OPTION_NAMES == ("identity_rewrite", "batch_size",
-                                   "host_pool_limit", "max_reports")
+                                   "host_pool_limit", "max_reports", "keep_graphs")
 
 
 def test_parse_options_values():
@@ -237,7 +237,8 @@ def test_parse_options_unknown_key():
         config.parse_options({"zeta": 1, "identity_rewrite": True, "alpha": 2})
     assert str(excinfo.value) == (
         "sntf.enable() got unknown option(s) ['alpha', 'zeta']; accepted "
-        "options: identity_rewrite, batch_size, host_pool_limit, max_reports")
+        "options: identity_rewrite, batch_size, host_pool_limit, max_reports, "
+        "keep_graphs")
 
 
 @pytest.mark.parametrize("options, fragment", [

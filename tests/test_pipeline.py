@@ -18,7 +18,7 @@ from sntf import config, names, pipeline, planner, rewrite  # noqa: E402
 REPORT_KEYS = {"graph", "training", "nodes", "action", "reason", "policy",
                "predicted_peak_bytes", "planned_peak_bytes", "lower_bound_bytes",
                "pass_seconds", "swapped", "recomputed", "fetch", "devices",
-               "error", "invocations"}
+               "error", "invocations", "batch", "analysis", "analysis_error"}
 OFF = config.State(enabled=True, policy="off")
 OFF_IDENTITY = config.State(enabled=True, policy="off",
                             options=config.Options(identity_rewrite=True))

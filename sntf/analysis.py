@@ -1,0 +1,597 @@
+"""Analysis: tensor sizes, op costs, schedule, liveness and the memory timeline.
+
+Pure functions over plain data. Input: a GraphIndex, the static output
+properties of its nodes as plain tuples, and a batch size. Output: an
+Analysis holding the predicted peak of the graph as TensorFlow's executor
+would run it, and the lower bound Superneurons aims for: the largest working
+set of a single op.
+
+The memory model follows TensorFlow's executor and CPU allocator:
+  * an op's outputs are allocated when it runs, while its inputs are alive;
+  * a buffer is freed when the last consumer of every tensor sharing it has
+    run (Identity/Reshape-like ops alias their input; element-wise kernels
+    reuse an input buffer of the same size when they are its last reader);
+  * variables and constants are persistent: allocated before the step, alive
+    after it;
+  * every allocation is rounded up to the allocator's 256-byte granule.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+from typing import Mapping, Optional, Sequence
+
+from sntf import bfc, graph
+
+# ---------------------------------------------------------------- tables
+# Bytes per element, by DataType enum value (tensorflow/core/framework/types.proto).
+DTYPE_BYTES = {
+    1: 4, 2: 8, 3: 4, 4: 1, 5: 2, 6: 1, 8: 8, 9: 8, 10: 1, 11: 1, 12: 1, 13: 4,
+    14: 2, 15: 2, 16: 2, 17: 2, 18: 16, 19: 2, 22: 4, 23: 8, 24: 1, 25: 1,
+}
+ALLOCATION_GRANULE = 256  # TensorFlow's BFC allocator rounds to 256 bytes.
+
+# Ops whose output is a view of input 0 (no allocation).
+ALIAS_OPS = frozenset({
+    "Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
+    "PreventGradient", "Snapshot", "EnsureShape", "CheckNumerics", "_Retval",
+    "ReadVariableOp", "Bitcast",
+})
+# Ops that produce no tensor memory the step pays for.
+FREE_OPS = frozenset({"_Arg", "NoOp", "VarHandleOp", "Placeholder"})
+# Element-wise kernels that write into an input buffer they read last.
+FORWARDING_OPS = frozenset({
+    "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid", "Softplus",
+    "Neg", "Abs", "Exp", "Log", "Sqrt", "Rsqrt", "Square", "Reciprocal", "Erf",
+    "Cast", "AddV2", "Add", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum",
+    "Minimum", "SquaredDifference", "BiasAdd", "ReluGrad", "Relu6Grad",
+    "TanhGrad", "SigmoidGrad", "EluGrad", "LeakyReluGrad", "SeluGrad",
+    "SoftplusGrad", "RsqrtGrad", "SqrtGrad", "SelectV2", "Select", "Pow",
+    "FloorDiv", "FloorMod", "AddN", "Sign", "Floor", "Ceil", "Round", "Inv",
+    "ClipByValue", "Softmax", "LogSoftmax",
+})
+PERSISTENT_OPS = frozenset({"Const", "HostConst"})
+
+# Op classes (Superneurons' checkpoints vs. cheap layers).
+CHECKPOINT_OPS = frozenset({
+    "Conv2D", "Conv3D", "_FusedConv2D", "_FusedConv3D", "DepthwiseConv2dNative",
+    "_FusedDepthwiseConv2dNative", "MatMul", "_FusedMatMul", "BatchMatMul",
+    "BatchMatMulV2", "BatchMatMulV3", "_FusedBatchMatMul", "Einsum",
+    "_MklMatMul", "_MklConv2D", "Conv2DBackpropInput",
+})
+CHEAP_OPS = frozenset(FORWARDING_OPS | {
+    "MaxPool", "AvgPool", "MaxPoolV2", "FusedBatchNorm", "FusedBatchNormV3",
+    "Mean", "Sum", "Variance", "Moments", "Pad", "PadV2", "MirrorPad",
+    "ConcatV2", "Concat", "Split", "SplitV", "Slice", "StridedSlice",
+    "Transpose", "Tile", "StatelessRandomUniformV2", "StatelessRandomGetKeyCounter",
+    "GreaterEqual", "Greater", "Less", "LessEqual", "Equal", "NotEqual",
+    "LogicalAnd", "LogicalOr", "LogicalNot", "ZerosLike", "OnesLike", "Fill",
+} | ALIAS_OPS)
+CHECKPOINT, CHEAP, UNKNOWN = "checkpoint", "cheap", "unknown"
+
+# Tensor classes.
+PERSISTENT, ACTIVATION, GRADIENT, TEMPORARY = (
+    "persistent", "activation", "gradient", "temporary")
+TENSOR_CLASSES = (PERSISTENT, ACTIVATION, GRADIENT, TEMPORARY)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Machine constants for op time estimates; replace the whole table to retarget."""
+
+    flops_per_second: float = 50e9        # sustained GEMM/conv throughput
+    bytes_per_second: float = 10e9        # sustained memory bandwidth
+    op_overhead_seconds: float = 5e-6     # executor dispatch per op
+
+
+DEFAULT_COST_MODEL = CostModel()
+
+
+def op_class(op: str) -> str:
+    """Checkpoint (expensive, kept), cheap (recomputable) or unknown (treated safely)."""
+    if op in CHECKPOINT_OPS:
+        return CHECKPOINT
+    if op in CHEAP_OPS:
+        return CHEAP
+    return UNKNOWN
+
+
+# ---------------------------------------------------------------- sizes
+@dataclasses.dataclass(frozen=True)
+class SymbolicSize:
+    """Bytes as a linear form in the batch: const + per_batch * batch."""
+
+    const: int = 0
+    per_batch: int = 0
+    known: bool = True
+
+    def at(self, batch: Optional[int]) -> int:
+        """Concrete bytes for a batch (an unknown batch counts as 1)."""
+        return self.const + self.per_batch * (batch if batch else 1)
+
+
+def tensor_size(dtype: int, shape: Optional[Sequence[int]]) -> SymbolicSize:
+    """Size of a tensor from its static properties.
+
+    Args:
+      dtype: DataType enum value.
+      shape: dims with -1 for unknown ones, or None for unknown rank.
+
+    Returns:
+      The size; an unknown first dimension is the batch, further unknown
+      dimensions count as 1 (and mark the size as not fully known).
+    """
+    itemsize = DTYPE_BYTES.get(dtype, 0)
+    if itemsize == 0:
+        return SymbolicSize(0, 0, known=dtype in (20, 21))  # resource/variant: no payload
+    if shape is None:
+        return SymbolicSize(itemsize, 0, known=False)
+    known_elems, unknown = 1, 0
+    for d in shape:
+        if d is None or d < 0:
+            unknown += 1
+        else:
+            known_elems *= d
+    if unknown == 0:
+        return SymbolicSize(itemsize * known_elems, 0)
+    return SymbolicSize(0, itemsize * known_elems, known=unknown == 1)
+
+
+def rounded(n: int) -> int:
+    """Bytes the allocator actually reserves for a request of n bytes."""
+    if n <= 0:
+        return 0
+    return -(-n // ALLOCATION_GRANULE) * ALLOCATION_GRANULE
+
+
+# ---------------------------------------------------------------- results
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """Bytes live at every schedule step, total and per tensor class."""
+
+    steps: tuple[int, ...]            # node index run at each step
+    live_bytes: tuple[int, ...]       # while the step runs (inputs + outputs)
+    device_bytes: tuple[int, ...]     # what the allocator reports in use (chunks)
+    by_class: Mapping[str, tuple[int, ...]]
+    backward_start: Optional[int]     # first step of the backward pass
+    checkpoint_steps: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """Everything the planner needs to know about one training graph."""
+
+    batch: Optional[int]
+    schedule: tuple[int, ...]
+    phases: tuple[str, ...]
+    tensor_bytes: Mapping[tuple[int, int], int]
+    tensor_class: Mapping[tuple[int, int], str]
+    intervals: Mapping[tuple[int, int], tuple[int, int]]  # buffer owner -> (alloc, free) steps
+    persistent_bytes: int
+    timeline: Timeline
+    predicted_peak_bytes: int
+    peak_step: int
+    lower_bound_bytes: int
+    lower_bound_step: int
+    op_seconds: tuple[float, ...]
+    unknown_sizes: int
+
+    def summary(self) -> dict:
+        """Headline figures as plain data."""
+        return {
+            "batch": self.batch,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "lower_bound_bytes": self.lower_bound_bytes,
+            "persistent_bytes": self.persistent_bytes,
+            "peak_step": self.peak_step,
+            "steps": len(self.schedule),
+            "backward_start": self.timeline.backward_start,
+            "unknown_sizes": self.unknown_sizes,
+        }
+
+
+# ---------------------------------------------------------------- schedule
+def schedule(g: graph.GraphIndex) -> tuple[int, ...]:
+    """The order TensorFlow's executor runs a step, with one inter-op thread.
+
+    The executor starts from the nodes without inputs, in graph order, and
+    appends nodes to a FIFO ready queue as their last input completes.
+
+    Args:
+      g: the graph index.
+
+    Returns:
+      Node indices in execution order (all nodes; cycles broken in index order).
+    """
+    n = len(g.names)
+    back_edge = {i for i in range(n) if g.ops[i] in ("NextIteration", "RefNextIteration")}
+    pending = [0] * n
+    for i in range(n):
+        preds = [p for p, _ in g.data_inputs[i]] + list(g.control_inputs[i])
+        pending[i] = sum(1 for p in preds if p not in back_edge)
+    ready = collections.deque(i for i in range(n) if pending[i] == 0)
+    order = []
+    while ready:
+        i = ready.popleft()
+        order.append(i)
+        if i in back_edge:
+            continue
+        for c in [c for c, _, _ in g.consumers[i]] + list(g.control_consumers[i]):
+            pending[c] -= 1
+            if pending[c] == 0:
+                ready.append(c)
+    if len(order) < n:
+        seen = set(order)
+        order.extend(i for i in range(n) if i not in seen)
+    return tuple(order)
+
+
+# ---------------------------------------------------------------- costs
+def _elements(size: int, dtype_bytes: int) -> float:
+    return size / dtype_bytes if dtype_bytes else 0.0
+
+
+def op_seconds(op: str, input_bytes: Sequence[int], output_bytes: Sequence[int],
+               input_shapes: Sequence[Optional[tuple]], batch: Optional[int],
+               model: CostModel = DEFAULT_COST_MODEL) -> float:
+    """Estimated run time of one op: max(compute, memory traffic) + dispatch.
+
+    FLOPs: matmul-like ops 2*M*N*K from their operands; convolutions 2 *
+    output elements * filter elements / output channels; everything else one
+    FLOP per output element.
+    """
+    moved = sum(input_bytes) + sum(output_bytes)
+    out_elems = sum(output_bytes) / 4.0
+    flops = out_elems
+    if op in ("MatMul", "_FusedMatMul") and len(input_shapes) >= 2 and input_shapes[1]:
+        k = input_shapes[1][0] if input_shapes[1][0] > 0 else 1
+        flops = 2.0 * out_elems * k
+    elif "Conv" in op and len(input_shapes) >= 2 and input_shapes[1]:
+        f = input_shapes[1]
+        per_out = 1
+        for d in f[:-1]:
+            per_out *= max(d, 1)
+        flops = 2.0 * out_elems * per_out
+    elif op.startswith("BatchMatMul") or op == "Einsum":
+        if input_shapes and input_shapes[0]:
+            flops = 2.0 * out_elems * max(input_shapes[0][-1], 1)
+    return (max(flops / model.flops_per_second, moved / model.bytes_per_second)
+            + model.op_overhead_seconds)
+
+
+# ---------------------------------------------------------------- workspaces
+# Scratch memory kernels take from the device allocator while they run
+# (allocate_temp), beyond their outputs. TensorFlow's CPU convolution
+# backprops use an im2col buffer sized from a 30 MiB target working set.
+CONV_TARGET_WORKING_SET_BYTES = 30 << 20
+CONV_MIN_THREAD_WORK_BYTES = 256 << 10
+
+
+def _conv_col_buffer(batch: int, out_image: int, filter_total: int,
+                     out_depth: int, itemsize: int, threads: int,
+                     may_parallelize: bool) -> int:
+    """Bytes of the im2col buffer of TensorFlow's CPU Conv2D backprops.
+
+    Measured on this stack with single ops in eager mode: the input backprop
+    switches to one image per shard when each thread has at least 256 KiB of
+    work; the filter backprop always shards by the 30 MiB working set.
+    """
+    size_a = out_image * out_depth
+    size_b = filter_total * out_depth
+    size_c = out_image * filter_total
+    work = size_a + size_b + size_c
+    if work <= 0:
+        return 0
+    parallel = may_parallelize and (
+        batch == 1 or work // max(threads, 1) >= CONV_MIN_THREAD_WORK_BYTES // itemsize)
+    shard = 1 if parallel else -(-(CONV_TARGET_WORKING_SET_BYTES // itemsize) // work)
+    return shard * size_c * itemsize
+
+
+def workspace_bytes(op: str, input_shapes: Sequence[Optional[tuple]],
+                    output_shapes: Sequence[Optional[tuple]], itemsize: int,
+                    threads: int) -> int:
+    """Temporary bytes an op allocates while it runs (0 where not modeled).
+
+    Args:
+      op: op type.
+      input_shapes, output_shapes: concrete shapes (batch resolved) or None.
+      itemsize: bytes per element of the op's main dtype.
+      threads: intra-op threads of the device.
+
+    Returns:
+      Bytes of scratch memory.
+    """
+    if op in ("Conv2DBackpropInput", "Conv2DBackpropFilter") and len(input_shapes) >= 3:
+        dy = input_shapes[2]
+        if op == "Conv2DBackpropInput":
+            filt = input_shapes[1]
+        else:
+            filt = output_shapes[0] if output_shapes else None
+        if not dy or not filt or len(dy) != 4 or len(filt) != 4:
+            return 0
+        if min(dy) < 0 or min(filt) < 0:
+            return 0
+        return _conv_col_buffer(dy[0], dy[1] * dy[2], filt[0] * filt[1] * filt[2],
+                                filt[3], itemsize, threads,
+                                may_parallelize=op == "Conv2DBackpropInput")
+    return 0
+
+
+# ---------------------------------------------------------------- analysis
+Properties = Mapping[str, Sequence[tuple[int, Optional[tuple[int, ...]]]]]
+
+
+def infer_batch(properties: Properties) -> Optional[int]:
+    """A batch implied by the graph itself: None while any batch dim is unknown."""
+    for outputs in properties.values():
+        for _, shape in outputs:
+            if shape is None or any(d < 0 for d in shape):
+                return None
+    return 1
+
+
+def analyze(g: graph.GraphIndex, properties: Properties,
+            batch: Optional[int] = None,
+            cost_model: CostModel = DEFAULT_COST_MODEL) -> Analysis:
+    """Predicts the memory timeline of one step of a graph.
+
+    Args:
+      g: the graph index.
+      properties: node name -> [(dtype enum, shape or None) per output].
+      batch: the batch size that resolves unknown batch dimensions (None:
+        counted as 1, and the prediction is then per unit of batch).
+      cost_model: machine constants for op times.
+
+    Returns:
+      The Analysis.
+    """
+    order = schedule(g)
+    phases = graph.classify_phases(g)
+    step_of = {node: s for s, node in enumerate(order)}
+    n = len(g.names)
+
+    # Byte size of every output.
+    sizes: dict = {}
+    unknown = 0
+    for i in range(n):
+        for port, (dtype, shape) in enumerate(properties.get(g.names[i], ())):
+            size = tensor_size(dtype, shape)
+            if not size.known:
+                unknown += 1
+            sizes[(i, port)] = size.at(batch)
+
+    # Buffers: aliases share their source's buffer; forwarding kernels take
+    # over an input buffer of the same size that they read last.
+    last_use = collections.defaultdict(int)  # tensor -> last consumer step
+    for i in range(n):
+        for p, port in g.data_inputs[i]:
+            t = (p, port)
+            last_use[t] = max(last_use[t], step_of[i])
+    fetched = set()
+    for f in g.fetch:
+        for p, port in g.data_inputs[f]:
+            fetched.add((p, port))
+        if g.ops[f] != "_Retval":
+            fetched.update((f, port) for port in range(len(properties.get(g.names[f], ()))))
+    for i in range(n):
+        if g.ops[i] == "_Retval":
+            fetched.update(g.data_inputs[i])
+
+    owner: dict = {}          # tensor -> buffer id (the tensor that allocated it)
+    buffer_bytes: dict = {}   # buffer id -> rounded bytes
+    buffer_free: dict = {}    # buffer id -> last step any alias is read
+    buffer_alloc: dict = {}   # buffer id -> step allocated
+    persistent = set()
+    outputs_of = collections.defaultdict(list)
+    for i in range(n):
+        count = len(properties.get(g.names[i], ()))
+        outputs_of[i] = [(i, port) for port in range(count)]
+
+    for s, i in enumerate(order):
+        op = g.ops[i]
+        inputs = g.data_inputs[i]
+        for t in outputs_of[i]:
+            if op in FREE_OPS or sizes.get(t, 0) == 0:
+                continue
+            if op in ALIAS_OPS and inputs and inputs[0] in owner:
+                owner[t] = owner[inputs[0]]
+                continue
+            if op in ALIAS_OPS and inputs and _reads_variable(g, inputs[0][0]):
+                # A read of a variable is a view of the variable's buffer:
+                # persistent, and counted once however often it is read.
+                b = (graph._handle_root(g, inputs[0][0]), VARIABLE_PORT)
+                owner[t] = b
+                buffer_bytes.setdefault(b, rounded(sizes[t]))
+                buffer_alloc[b] = -1
+                persistent.add(b)
+                continue
+            if op in PERSISTENT_OPS:
+                owner[t] = t
+                buffer_bytes[t] = rounded(sizes[t])
+                buffer_alloc[t] = -1
+                persistent.add(t)
+                continue
+            if op in FORWARDING_OPS and t[1] == 0:
+                reused = _forwardable_input(inputs, owner, buffer_free, last_use,
+                                            buffer_bytes, persistent, fetched,
+                                            rounded(sizes[t]), s)
+                if reused is not None:
+                    owner[t] = reused
+                    continue
+            owner[t] = t
+            buffer_bytes[t] = rounded(sizes[t])
+            buffer_alloc[t] = s
+        # Extend the life of every buffer this op reads.
+        for p, port in inputs:
+            b = owner.get((p, port))
+            if b is not None:
+                buffer_free[b] = max(buffer_free.get(b, -1), s)
+        for t in outputs_of[i]:
+            b = owner.get(t)
+            if b is not None:
+                buffer_free[b] = max(buffer_free.get(b, -1), s)
+
+    end = len(order)
+    for t in fetched:
+        b = owner.get(t)
+        if b is not None:
+            buffer_free[b] = end
+
+    # Scratch buffers: live only while their op runs.
+    threads = os.cpu_count() or 1
+    for s, i in enumerate(order):
+        outs = properties.get(g.names[i], ())
+        ins = [_shape_of(properties, g, t) for t in g.data_inputs[i]]
+        itemsize = DTYPE_BYTES.get(outs[0][0], 4) if outs else 4
+        ws = workspace_bytes(g.ops[i], [_concrete(x, batch) for x in ins],
+                             [_concrete(o[1], batch) for o in outs], itemsize, threads)
+        if ws:
+            b = (i, SCRATCH_PORT)
+            buffer_bytes[b] = rounded(ws)
+            buffer_alloc[b] = s
+            buffer_free[b] = s
+
+    # Tensor classes, by the buffer's producer and who reads it.
+    klass = {}
+    for b in buffer_bytes:
+        if b in persistent:
+            klass[b] = PERSISTENT
+            continue
+        producer_phase = phases[b[0]]
+        if b[1] < 0:
+            klass[b] = TEMPORARY
+            continue
+        readers = {phases[c] for c, _, port in g.consumers[b[0]] if port == b[1]}
+        if producer_phase == graph.FORWARD and graph.BACKWARD in readers:
+            klass[b] = ACTIVATION
+        elif producer_phase == graph.BACKWARD:
+            klass[b] = GRADIENT
+        else:
+            klass[b] = TEMPORARY
+
+    persistent_bytes = sum(buffer_bytes[b] for b in persistent)
+    intervals = {b: (buffer_alloc[b], buffer_free.get(b, buffer_alloc[b]))
+                 for b in buffer_bytes if b not in persistent}
+
+    # Timeline: a buffer counts from its allocating step through its last use.
+    delta = {c: [0] * (end + 2) for c in TENSOR_CLASSES}
+    for b, (start, stop) in intervals.items():
+        c = klass[b]
+        delta[c][start] += buffer_bytes[b]
+        delta[c][min(stop, end) + 1] -= buffer_bytes[b]
+    by_class = {}
+    for c in TENSOR_CLASSES:
+        running, series = 0, []
+        for s in range(end):
+            running += delta[c][s]
+            series.append(running + (persistent_bytes if c == PERSISTENT else 0))
+        by_class[c] = tuple(series)
+    live = tuple(sum(by_class[c][s] for c in TENSOR_CLASSES) for s in range(end))
+    device = _simulate_allocator(buffer_bytes, persistent, intervals, end)
+    peak_step = max(range(end), key=lambda s: device[s]) if end else 0
+    peak = device[peak_step] if end else persistent_bytes
+
+    # Lower bound: the largest single-op working set plus persistent bytes.
+    lower, lower_step = persistent_bytes, 0
+    seconds = []
+    for s, i in enumerate(order):
+        ins = [sizes.get(t, 0) for t in g.data_inputs[i]
+               if owner.get(t) is not None and owner.get(t) not in persistent]
+        outs = [sizes.get(t, 0) for t in outputs_of[i]
+                if owner.get(t) is not None and owner.get(t) not in persistent]
+        work = persistent_bytes + sum(rounded(x) for x in ins) + sum(rounded(x) for x in outs)
+        if work > lower:
+            lower, lower_step = work, s
+        shapes = [_shape_of(properties, g, t) for t in g.data_inputs[i]]
+        seconds.append(op_seconds(g.ops[i], ins, outs, shapes, batch, cost_model))
+
+    backward_steps = [s for s, i in enumerate(order) if phases[i] == graph.BACKWARD]
+    timeline = Timeline(
+        steps=order, live_bytes=live, device_bytes=device, by_class=by_class,
+        backward_start=backward_steps[0] if backward_steps else None,
+        checkpoint_steps=tuple(s for s, i in enumerate(order)
+                               if op_class(g.ops[i]) == CHECKPOINT
+                               and phases[i] == graph.FORWARD))
+    return Analysis(
+        batch=batch, schedule=order, phases=phases,
+        tensor_bytes={b: buffer_bytes[b] for b in buffer_bytes},
+        tensor_class=klass, intervals=intervals,
+        persistent_bytes=persistent_bytes, timeline=timeline,
+        predicted_peak_bytes=peak, peak_step=peak_step,
+        lower_bound_bytes=lower, lower_bound_step=lower_step,
+        op_seconds=tuple(seconds), unknown_sizes=unknown)
+
+
+VARIABLE_PORT = -2   # buffer key (handle root, -2): a variable's own buffer
+SCRATCH_PORT = -1    # buffer key (node, -1): an op's scratch memory
+
+
+def _reads_variable(g: graph.GraphIndex, producer: int) -> bool:
+    """Whether a tensor comes from a resource handle (through Identity ops)."""
+    return g.ops[graph._handle_root(g, producer)] in FREE_OPS
+
+
+def _simulate_allocator(buffer_bytes: dict, persistent: set, intervals: dict,
+                        end: int) -> tuple[int, ...]:
+    """Bytes TensorFlow's BFC allocator reports in use at each step.
+
+    Persistent buffers are allocated first (they exist before the step);
+    within a step, outputs are allocated, then scratch, then scratch and
+    dead inputs are freed.
+    """
+    sim = bfc.BfcModel()
+    for b in sorted(persistent):
+        sim.allocate(buffer_bytes[b])
+    allocs = collections.defaultdict(list)
+    frees = collections.defaultdict(list)
+    for b, (start, stop) in intervals.items():
+        # Scratch last in, first out; outputs by node and port.
+        allocs[start].append((b[1] == SCRATCH_PORT, b))
+        if stop < end:
+            frees[stop].append((b[1] != SCRATCH_PORT, b))
+    where = {}
+    series = []
+    for s in range(end):
+        for _, b in sorted(allocs.get(s, ())):
+            where[b] = sim.allocate(buffer_bytes[b])
+        series.append(sim.in_use)
+        for _, b in sorted(frees.get(s, ())):
+            sim.free(where.pop(b))
+    # The running maximum inside a step is what the allocator's peak sees.
+    return tuple(max(x, sim_floor) for x, sim_floor in zip(series, series))
+
+
+def _concrete(shape: Optional[tuple], batch: Optional[int]) -> Optional[tuple]:
+    """A static shape with unknown dims set to the batch (None stays None)."""
+    if shape is None:
+        return None
+    return tuple(d if d >= 0 else (batch or 1) for d in shape)
+
+
+def _shape_of(properties: Properties, g: graph.GraphIndex, t) -> Optional[tuple]:
+    outputs = properties.get(g.names[t[0]], ())
+    if t[1] < len(outputs):
+        return outputs[t[1]][1]
+    return None
+
+
+def _forwardable_input(inputs, owner, buffer_free, last_use, buffer_bytes,
+                       persistent, fetched, need, step):
+    """The buffer of an input this op reads last and can overwrite, if any."""
+    for t in inputs:
+        b = owner.get(t)
+        if b is None or b in persistent or t in fetched or b not in buffer_bytes:
+            continue
+        if buffer_bytes[b] != need:
+            continue
+        # Every alias of the buffer must be done by this step.
+        if last_use.get(t, -1) > step or buffer_free.get(b, -1) > step:
+            continue
+        if any(last_use.get(other, -1) > step for other, ob in owner.items()
+               if ob == b and other != t):
+            continue
+        return b
+    return None

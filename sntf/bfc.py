@@ -1,0 +1,133 @@
+"""A model of TensorFlow's BFC allocator, to predict what the device reports.
+
+TensorFlow's CPU BFC allocator (and every GPU allocator) counts whole chunks
+as in use: a request is rounded to 256 bytes, served from the best-fitting
+free chunk, and that chunk is split only when it is at least twice the
+request. Regions grow by doubling. A 20 MiB im2col buffer taken from a fresh
+32 MiB region therefore shows as 32 MiB in use, which a sum of tensor sizes
+misses. Pure Python, no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Optional
+
+MIN_ALLOCATION_BITS = 8
+MIN_ALLOCATION = 1 << MIN_ALLOCATION_BITS          # 256 bytes
+NUM_BINS = 21
+INITIAL_REGION_BYTES = 2 << 20                     # allow_growth starts at 2 MiB
+MAX_INTERNAL_FRAGMENTATION = 128 << 20
+
+
+def rounded_bytes(n: int) -> int:
+    """The size BFC reserves for a request of n bytes."""
+    return max(MIN_ALLOCATION, -(-n // MIN_ALLOCATION) * MIN_ALLOCATION)
+
+
+def bin_for_size(n: int) -> int:
+    """BFC's bin index: floor(log2(n >> 8)), capped."""
+    v = max(n, 1) >> MIN_ALLOCATION_BITS
+    return min(NUM_BINS - 1, v.bit_length() - 1) if v else 0
+
+
+@dataclasses.dataclass
+class _Chunk:
+    addr: int
+    size: int
+    region: int
+    in_use: bool = False
+    prev: Optional[int] = None   # address of the previous chunk in the region
+    next: Optional[int] = None
+
+
+class BfcModel:
+    """Best-fit with coalescing, bins and region doubling, as TensorFlow does it."""
+
+    def __init__(self, initial_region_bytes: int = INITIAL_REGION_BYTES):
+        self._region_bytes = rounded_bytes(initial_region_bytes)
+        self._next_addr = 0
+        self._chunks: dict = {}
+        self._bins = [[] for _ in range(NUM_BINS)]   # sorted (size, addr)
+        self.in_use = 0
+        self.peak = 0
+        self.reserved = 0
+
+    # -- bins
+    def _bin_insert(self, c: _Chunk) -> None:
+        bisect.insort(self._bins[bin_for_size(c.size)], (c.size, c.addr))
+
+    def _bin_remove(self, c: _Chunk) -> None:
+        entries = self._bins[bin_for_size(c.size)]
+        entries.pop(bisect.bisect_left(entries, (c.size, c.addr)))
+
+    def _find(self, size: int) -> Optional[_Chunk]:
+        for b in range(bin_for_size(size), NUM_BINS):
+            entries = self._bins[b]
+            k = bisect.bisect_left(entries, (size, -1))
+            if k < len(entries):
+                return self._chunks[entries[k][1]]
+        return None
+
+    # -- regions
+    def _extend(self, size: int) -> None:
+        grew = False
+        while size > self._region_bytes:
+            self._region_bytes *= 2
+            grew = True
+        region_size = self._region_bytes
+        addr = self._next_addr
+        self._next_addr += region_size + MIN_ALLOCATION  # regions never touch
+        c = _Chunk(addr=addr, size=region_size, region=addr)
+        self._chunks[addr] = c
+        self._bin_insert(c)
+        self.reserved += region_size
+        if not grew:
+            self._region_bytes *= 2
+
+    # -- public
+    def allocate(self, nbytes: int) -> int:
+        """Allocates; returns the chunk address (a handle for free())."""
+        size = rounded_bytes(nbytes)
+        c = self._find(size)
+        if c is None:
+            self._extend(size)
+            c = self._find(size)
+        self._bin_remove(c)
+        if c.size >= 2 * size or c.size - size >= MAX_INTERNAL_FRAGMENTATION:
+            rest = _Chunk(addr=c.addr + size, size=c.size - size, region=c.region,
+                          prev=c.addr, next=c.next)
+            if c.next is not None:
+                self._chunks[c.next].prev = rest.addr
+            c.next = rest.addr
+            c.size = size
+            self._chunks[rest.addr] = rest
+            self._bin_insert(rest)
+        c.in_use = True
+        self.in_use += c.size
+        self.peak = max(self.peak, self.in_use)
+        return c.addr
+
+    def free(self, addr: int) -> None:
+        """Frees a chunk and merges it with free neighbours."""
+        c = self._chunks[addr]
+        c.in_use = False
+        self.in_use -= c.size
+        if c.next is not None and not self._chunks[c.next].in_use:
+            c = self._merge(c, self._chunks[c.next])
+        if c.prev is not None and not self._chunks[c.prev].in_use:
+            c = self._merge(self._chunks[c.prev], c)
+        self._bin_insert(c)
+
+    def _merge(self, left: _Chunk, right: _Chunk) -> _Chunk:
+        if not left.in_use and (left.size, left.addr) in self._bins[bin_for_size(left.size)]:
+            self._bin_remove(left)
+        if not right.in_use and (right.size, right.addr) in self._bins[bin_for_size(right.size)]:
+            self._bin_remove(right)
+        left.size += right.size
+        left.next = right.next
+        if right.next is not None:
+            self._chunks[right.next].prev = left.addr
+        del self._chunks[right.addr]
+        return left
