@@ -169,6 +169,7 @@ class Analysis:
     tensor_bytes: Mapping[tuple[int, int], int]
     tensor_class: Mapping[tuple[int, int], str]
     intervals: Mapping[tuple[int, int], tuple[int, int]]  # buffer owner -> (alloc, free) steps
+    buffers: Mapping[tuple[int, int], tuple[int, int]]    # tensor -> the buffer it lives in
     persistent_bytes: int
     timeline: Timeline
     predicted_peak_bytes: int
@@ -177,6 +178,10 @@ class Analysis:
     lower_bound_step: int
     op_seconds: tuple[float, ...]
     unknown_sizes: int
+
+    def buffer_of(self, tensor: tuple[int, int]) -> Optional[tuple[int, int]]:
+        """The buffer a tensor (node, port) lives in, or None (no memory)."""
+        return self.buffers.get(tensor)
 
     def summary(self) -> dict:
         """Headline figures as plain data."""
@@ -380,7 +385,7 @@ def analyze(g: graph.GraphIndex, properties: Properties,
         if g.ops[i] == "_Retval":
             fetched.update(g.data_inputs[i])
 
-    owner: dict = {}          # tensor -> buffer id (the tensor that allocated it)
+    owner = _Owners()         # tensor -> buffer id (the tensor that allocated it)
     buffer_bytes: dict = {}   # buffer id -> rounded bytes
     buffer_free: dict = {}    # buffer id -> last step any alias is read
     buffer_alloc: dict = {}   # buffer id -> step allocated
@@ -454,23 +459,16 @@ def analyze(g: graph.GraphIndex, properties: Properties,
             buffer_alloc[b] = s
             buffer_free[b] = s
 
-    # Tensor classes, by the buffer's producer and who reads it.
+    # Tensor classes: a buffer holding a forward tensor that the backward
+    # pass reads is an activation (whichever tensor allocated it).
     klass = {}
     for b in buffer_bytes:
         if b in persistent:
             klass[b] = PERSISTENT
-            continue
-        producer_phase = phases[b[0]]
-        if b[1] < 0:
+        elif b[1] == SCRATCH_PORT:
             klass[b] = TEMPORARY
-            continue
-        readers = {phases[c] for c, _, port in g.consumers[b[0]] if port == b[1]}
-        if producer_phase == graph.FORWARD and graph.BACKWARD in readers:
-            klass[b] = ACTIVATION
-        elif producer_phase == graph.BACKWARD:
-            klass[b] = GRADIENT
         else:
-            klass[b] = TEMPORARY
+            klass[b] = _buffer_class(g, phases, owner.tensors[b] or [b])
 
     persistent_bytes = sum(buffer_bytes[b] for b in persistent)
     intervals = {b: (buffer_alloc[b], buffer_free.get(b, buffer_alloc[b]))
@@ -518,7 +516,7 @@ def analyze(g: graph.GraphIndex, properties: Properties,
     return Analysis(
         batch=batch, schedule=order, phases=phases,
         tensor_bytes={b: buffer_bytes[b] for b in buffer_bytes},
-        tensor_class=klass, intervals=intervals,
+        tensor_class=klass, intervals=intervals, buffers=dict(owner),
         persistent_bytes=persistent_bytes, timeline=timeline,
         predicted_peak_bytes=peak, peak_step=peak_step,
         lower_bound_bytes=lower, lower_bound_step=lower_step,
@@ -578,6 +576,29 @@ def _shape_of(properties: Properties, g: graph.GraphIndex, t) -> Optional[tuple]
     return None
 
 
+def _buffer_class(g: graph.GraphIndex, phases, tensors) -> str:
+    """Activation, gradient or temporary, from the tensors sharing a buffer."""
+    producers = {phases[t[0]] for t in tensors}
+    for t in tensors:
+        if phases[t[0]] == graph.FORWARD and any(
+                phases[c] == graph.BACKWARD
+                for c, _, port in g.consumers[t[0]] if port == t[1]):
+            return ACTIVATION
+    return GRADIENT if graph.BACKWARD in producers else TEMPORARY
+
+
+class _Owners(dict):
+    """tensor -> buffer, with the inverse (buffer -> its tensors) kept current."""
+
+    def __init__(self):
+        super().__init__()
+        self.tensors = collections.defaultdict(list)
+
+    def __setitem__(self, tensor, buffer):
+        super().__setitem__(tensor, buffer)
+        self.tensors[buffer].append(tensor)
+
+
 def _forwardable_input(inputs, owner, buffer_free, last_use, buffer_bytes,
                        persistent, fetched, need, step):
     """The buffer of an input this op reads last and can overwrite, if any."""
@@ -587,11 +608,11 @@ def _forwardable_input(inputs, owner, buffer_free, last_use, buffer_bytes,
             continue
         if buffer_bytes[b] != need:
             continue
-        # Every alias of the buffer must be done by this step.
-        if last_use.get(t, -1) > step or buffer_free.get(b, -1) > step:
+        # Every tensor living in the buffer must be done by this step.
+        if buffer_free.get(b, -1) > step:
             continue
-        if any(last_use.get(other, -1) > step for other, ob in owner.items()
-               if ob == b and other != t):
+        if any(last_use.get(other, -1) > step or other in fetched
+               for other in owner.tensors[b]):
             continue
         return b
     return None

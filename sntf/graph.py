@@ -502,13 +502,7 @@ def weight_consumers(g: GraphIndex) -> frozenset:
     # Gradient kernels (by op type, a structural fact) and the backprop output
     # of fused losses start the backward pass too; an optimizer's ops that read
     # slot variables (Adam's m and v) sit downstream of them.
-    sources = set(backward)
-    for n, op in enumerate(g.ops):
-        if is_gradient_op(op):
-            sources.add(n)
-        elif op in FUSED_LOSS_OPS:
-            sources.update(c for c, _, port in g.consumers[n] if port == 1)
-    tainted = descendants(g, sources)
+    tainted = descendants(g, backward | _gradient_sources(g, candidates))
     # A forward op's output flows into the gradient computation; an
     # optimizer op reading a slot (m, v) only flows into updates.
     feeds_gradients = ancestors(g, tainted, control=False)
@@ -534,11 +528,28 @@ def classify_phases(g: GraphIndex) -> tuple[str, ...]:
     anchors = weight_consumers(g)
     if not anchors:
         return tuple(OTHER for _ in g.names)
-    forward = ancestors(g, anchors, control=False)
     below = descendants(g, anchors)
+    tainted = descendants(g, _gradient_sources(g, anchors))
+    # The forward pass: up to the last weight consumer, then on to what the
+    # step returns (the loss, through the metric that records it), short of
+    # anything downstream of a gradient kernel.
+    outputs = set(g.fetch) | {i for i, op in enumerate(g.ops) if op == "_Retval"}
+    returned = ancestors(g, outputs, control=False, state=True)
+    forward = ancestors(g, anchors, control=False) | ((returned & below) - tainted)
     all_updates = [i for i, op in enumerate(g.ops)
                    if g.data_inputs[i] and is_update_op(op)]
     feeding = ancestors(g, all_updates, control=False, state=True)
     backward = (below & feeding) - forward
     return tuple(FORWARD if i in forward else BACKWARD if i in backward else OTHER
                  for i in range(len(g.names)))
+
+
+def _gradient_sources(g: GraphIndex, anchors: Iterable[int]) -> set:
+    """Gradient kernels and fused-loss backprop outputs (by op type)."""
+    sources = set()
+    for n, op in enumerate(g.ops):
+        if is_gradient_op(op):
+            sources.add(n)
+        elif op in FUSED_LOSS_OPS:
+            sources.update(c for c, _, port in g.consumers[n] if port == 1)
+    return sources

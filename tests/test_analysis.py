@@ -1,0 +1,229 @@
+"""Analysis on small hand-built graphs: exact schedules, intervals and peaks.
+
+Sizes are multiples of 256 bytes (the allocator granule) so the expected
+figures can be read off the graph. A float32 [n] tensor is 4n bytes.
+"""
+
+import pytest
+
+import graphs
+from graphs import DT_FLOAT, DT_RESOURCE, GraphBuilder
+from sntf import analysis, bfc
+from sntf import graph as G
+
+KIB = 1024
+
+
+def f32(n):
+    """Properties entry of one float32 output of n elements."""
+    return [(DT_FLOAT, (n,))]
+
+
+def analyze(g, props, batch=None):
+    return analysis.analyze(G.build_index(g), props, batch=batch)
+
+
+def interval(a, g, name, port=0):
+    return a.intervals[(G.build_index(g).node(name), port)]
+
+
+def chain():
+    return (GraphBuilder().arg("x")
+            .op("MaxPool", "a", ["x"]).op("MaxPool", "b", ["a"])
+            .op("MaxPool", "c", ["b"]).retval("ret", "c").build())
+
+
+CHAIN_PROPS = {"x": f32(256), "a": f32(256), "b": f32(512), "c": f32(128)}
+
+
+def test_chain_schedule_intervals_and_peak():
+    g = chain()
+    a = analyze(g, CHAIN_PROPS)
+    idx = G.build_index(g)
+    assert [idx.names[i] for i in a.schedule] == ["x", "a", "b", "c", "ret"]
+    assert interval(a, g, "a") == (1, 2)
+    assert interval(a, g, "b") == (2, 3)
+    assert interval(a, g, "c") == (3, 5)       # returned: alive to the end
+    assert a.timeline.live_bytes == (0, 1 * KIB, 3 * KIB, 2560, 512)
+    assert a.timeline.device_bytes == (0, 1 * KIB, 3 * KIB, 2560, 512)
+    assert a.predicted_peak_bytes == 3 * KIB and a.peak_step == 2
+    # Largest single-op working set: b's input (1 KiB) + output (2 KiB).
+    assert a.lower_bound_bytes == 3 * KIB and a.lower_bound_step == 2
+    assert a.persistent_bytes == 0
+
+
+def test_diamond_keeps_the_fork_alive_until_its_last_reader():
+    g = (GraphBuilder().arg("x").op("MaxPool", "a", ["x"])
+         .op("MaxPool", "b", ["a"]).op("MaxPool", "c", ["a"])
+         .op("MatMul", "d", ["b", "c"]).retval("ret", "d").build())
+    props = {"x": f32(256), "a": f32(256), "b": f32(256), "c": f32(512),
+             "d": f32(64)}
+    a = analyze(g, props)
+    assert interval(a, g, "a") == (1, 3)
+    assert interval(a, g, "b") == (2, 4)
+    assert interval(a, g, "c") == (3, 4)
+    assert a.timeline.live_bytes == (0, 1 * KIB, 2 * KIB, 4 * KIB, 3328, 256)
+    assert a.predicted_peak_bytes == 4 * KIB and a.peak_step == 3
+    # Largest single-op working set: d reads b (1 KiB) and c (2 KiB), writes 256 B.
+    assert a.lower_bound_bytes == 3328 and a.lower_bound_step == 4
+
+
+def test_skip_connection_add_reuses_the_skip_buffer():
+    g = (GraphBuilder().arg("x").op("MaxPool", "a", ["x"])
+         .op("MaxPool", "b", ["a"]).op("MaxPool", "c", ["b"])
+         .op("AddV2", "d", ["a", "c"]).retval("ret", "d").build())
+    props = {n: f32(256) for n in ("x", "a", "b", "c", "d")}
+    a = analyze(g, props)
+    # The skip tensor lives from its producer to the add; the add writes into
+    # it (element-wise kernels forward a same-size input they read last), so
+    # the buffer then lives on as the returned value.
+    assert interval(a, g, "a") == (1, 6)
+    assert interval(a, g, "b") == (2, 3)
+    assert interval(a, g, "c") == (3, 4)
+    assert (G.build_index(g).node("d"), 0) not in a.intervals
+    assert a.timeline.live_bytes == (0, 1 * KIB, 2 * KIB, 3 * KIB, 2 * KIB, 1 * KIB)
+    assert a.predicted_peak_bytes == 3 * KIB
+
+
+def test_aliases_share_one_buffer_and_extend_its_life():
+    g = (GraphBuilder().arg("x").op("MaxPool", "a", ["x"])
+         .op("Reshape", "r", ["a", "shape"]).const("shape", [256], graphs.DT_INT32)
+         .op("MaxPool", "b", ["r"]).op("MaxPool", "c", ["b"])
+         .op("MatMul", "d", ["c", "r"]).retval("ret", "d").build())
+    props = {"x": f32(256), "a": f32(256), "r": f32(256), "b": f32(256),
+             "c": f32(256), "d": f32(64), "shape": [(graphs.DT_INT32, (1,))]}
+    a = analyze(g, props)
+    idx = G.build_index(g)
+    assert (idx.node("r"), 0) not in a.intervals         # a view of a
+    start, stop = interval(a, g, "a")
+    assert stop == a.schedule.index(idx.node("d"))      # read through the view
+
+
+def test_unknown_batch_is_symbolic_and_resolved_by_the_batch():
+    g = chain()
+    props = {"x": [(DT_FLOAT, (-1, 64))], "a": [(DT_FLOAT, (-1, 64))],
+             "b": [(DT_FLOAT, (-1, 128))], "c": [(DT_FLOAT, (-1, 32))]}
+    assert analysis.infer_batch(props) is None
+    assert analysis.tensor_size(DT_FLOAT, (-1, 64)) == analysis.SymbolicSize(0, 256)
+    at4 = analyze(g, props, batch=4)
+    at8 = analyze(g, props, batch=8)
+    assert at4.predicted_peak_bytes == 3 * KIB
+    assert at8.predicted_peak_bytes == 6 * KIB
+    assert at4.batch == 4 and at4.unknown_sizes == 0
+
+
+def test_sizes_of_dtypes_and_unknown_rank():
+    assert analysis.tensor_size(DT_FLOAT, (2, 3)).at(None) == 24
+    assert analysis.tensor_size(14, (10,)).at(None) == 20          # bfloat16
+    assert analysis.tensor_size(10, (7,)).at(None) == 7            # bool
+    assert analysis.tensor_size(18, (1,)).at(None) == 16           # complex128
+    assert analysis.tensor_size(DT_RESOURCE, ()).at(None) == 0
+    unknown = analysis.tensor_size(DT_FLOAT, None)
+    assert not unknown.known
+    assert not analysis.tensor_size(DT_FLOAT, (-1, -1, 3)).known
+    assert analysis.rounded(1) == 256 and analysis.rounded(257) == 512
+
+
+def _training_props(n=256):
+    """Float properties for every node of graphs.train_mlp()."""
+    idx = G.build_index(graphs.train_mlp())
+    props = {}
+    for name, op in zip(idx.names, idx.ops):
+        if op in ("_Retval", "AssignSubVariableOp", "NoOp"):
+            props[name] = []
+        elif op == "_Arg" and name != graphs.X:
+            props[name] = [(DT_RESOURCE, ())]
+        elif op == "Const" or name in (graphs.LOSS, "gradient_tape/loss/Shape"):
+            props[name] = [(DT_FLOAT, ())]
+        else:
+            props[name] = f32(n)
+    return props
+
+
+def test_training_graph_classes_persistent_and_backward_start():
+    g = graphs.train_mlp()
+    idx = G.build_index(g)
+    a = analyze(g, _training_props())
+    # Relu writes into the MatMul's buffer; that buffer is the activation
+    # ReluGrad reads in the backward pass.
+    relu = a.buffer_of((idx.node(graphs.RELU), 0))
+    assert relu == (idx.node(graphs.FWD_MATMUL), 0)
+    assert a.tensor_class[relu] == analysis.ACTIVATION
+    assert a.tensor_class[a.buffer_of((idx.node(graphs.DW), 0))] == analysis.GRADIENT
+    weight = (idx.node(graphs.W_HANDLE), analysis.VARIABLE_PORT)
+    assert a.tensor_class[weight] == analysis.PERSISTENT
+    assert a.persistent_bytes == 1 * KIB + 5 * 256    # W + five scalar consts
+    start = a.timeline.backward_start
+    assert a.phases[a.schedule[start]] == G.BACKWARD
+    assert all(a.phases[i] != G.BACKWARD for i in a.schedule[:start])
+    assert set(a.timeline.by_class) == set(analysis.TENSOR_CLASSES)
+    for s in range(len(a.schedule)):
+        assert a.timeline.live_bytes[s] == sum(a.timeline.by_class[c][s]
+                                               for c in analysis.TENSOR_CLASSES)
+
+
+def test_shared_subexpression_between_forward_and_backward_is_forward():
+    """CSE makes a forward Reshape read a node under gradient_tape/: the
+    classification follows structure, so that node is forward."""
+    b = GraphBuilder()
+    b._graph.CopyFrom(graphs.train_mlp())
+    (b.op("Shape", "gradient_tape/sequential/dense/Shape", [graphs.X], T=DT_FLOAT,
+          out_type=graphs.DT_INT32)
+     .op("Reshape", "sequential/flatten/Reshape",
+         [graphs.X, "gradient_tape/sequential/dense/Shape"], T=DT_FLOAT))
+    g = b.build()
+    for node in g.node:
+        if node.name == graphs.FWD_MATMUL:
+            node.input[0] = "sequential/flatten/Reshape"
+    idx = G.build_index(g)
+    phases = G.classify_phases(idx)
+    assert phases[idx.node("gradient_tape/sequential/dense/Shape")] == G.FORWARD
+    assert phases[idx.node("sequential/flatten/Reshape")] == G.FORWARD
+    assert phases[idx.node(graphs.FWD_MATMUL)] == G.FORWARD
+    assert phases[idx.node(graphs.RELU)] == G.FORWARD
+    assert phases[idx.node(graphs.RELU_GRAD)] == G.BACKWARD
+    assert phases[idx.node(graphs.DW)] == G.BACKWARD
+
+
+def test_conv_backprop_scratch_buffer_matches_tensorflow_cpu_kernels():
+    # Values measured with single eager ops on TensorFlow 2.21 (CPU, BFC):
+    # filter backprop, 16x16x64->64 at batch 64: ~23.6 MB im2col buffer;
+    # input backprop 16x16x64->64: one-image shard (0.56 MiB).
+    ws = analysis.workspace_bytes
+    assert ws("Conv2DBackpropFilter", [(64, 16, 16, 64), (4,), (64, 16, 16, 64)],
+              [(3, 3, 64, 64)], 4, 2) == 40 * 256 * 576 * 4
+    assert ws("Conv2DBackpropInput", [(4,), (3, 3, 64, 64), (64, 16, 16, 64)],
+              [(64, 16, 16, 64)], 4, 2) == 256 * 576 * 4
+    assert ws("Conv2DBackpropInput", [(4,), (3, 3, 32, 64), (64, 16, 16, 64)],
+              [(64, 16, 16, 32)], 4, 2) == 73 * 256 * 288 * 4
+    assert ws("MatMul", [(4, 4), (4, 4)], [(4, 4)], 4, 2) == 0
+
+
+def test_bfc_model_counts_whole_chunks_and_coalesces():
+    sim = bfc.BfcModel()
+    a = sim.allocate(21 << 20)          # new 32 MiB region, not split (< 2x)
+    assert sim.in_use == 32 << 20
+    sim.free(a)
+    b = sim.allocate(1 << 20)           # best fit splits the free 32 MiB chunk
+    c = sim.allocate(1 << 20)
+    assert sim.in_use == 2 << 20 and c == b + (1 << 20)
+    sim.free(b)
+    sim.free(c)                         # coalesces back into one chunk
+    d = sim.allocate(20 << 20)
+    assert d == a and sim.in_use == 32 << 20
+    assert sim.peak == 32 << 20
+    assert bfc.rounded_bytes(1) == 256 and bfc.bin_for_size(256) == 0
+    assert bfc.bin_for_size(1 << 20) == 12
+
+
+def test_op_classes_and_costs():
+    assert analysis.op_class("_FusedConv2D") == analysis.CHECKPOINT
+    assert analysis.op_class("Relu") == analysis.CHEAP
+    assert analysis.op_class("SomeCustomOp") == analysis.UNKNOWN
+    # 2*M*N*K for a matmul: out [64, 64] with K = 128.
+    t = analysis.op_seconds("MatMul", [64 * 128 * 4, 128 * 64 * 4], [64 * 64 * 4],
+                            [(64, 128), (128, 64)], None,
+                            analysis.CostModel(flops_per_second=1e9,
+                                               bytes_per_second=1e12,
+                                               op_overhead_seconds=0.0))
+    assert t == pytest.approx(2 * 64 * 64 * 128 / 1e9)
