@@ -539,7 +539,11 @@ def classify_phases(g: GraphIndex) -> tuple[str, ...]:
     all_updates = [i for i, op in enumerate(g.ops)
                    if g.data_inputs[i] and is_update_op(op)]
     feeding = ancestors(g, all_updates, control=False, state=True)
-    backward = (below & feeding) - forward
+    # Backward: the gradient computation (downstream of a gradient kernel, or
+    # feeding one, like the loss seed) -- not statistics updates such as
+    # BatchNormalization's moving averages, which only feed their variables.
+    gradient_side = tainted | ancestors(g, tainted, control=False)
+    backward = ((below & feeding) - forward) & gradient_side
     return tuple(FORWARD if i in forward else BACKWARD if i in backward else OTHER
                  for i in range(len(g.names)))
 
