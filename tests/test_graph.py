@@ -411,13 +411,24 @@ def test_detect_adam_style_train():
     assert info.updated_variables == 3  # W, m and the iteration counter
 
 
-def test_detect_adam_needs_the_state_control_edge():
-    # Without ^M_UPDATE the read of m is unordered with its write, so the
-    # weight update no longer depends on the gradient at all.
+def test_detect_adam_without_the_state_edge_still_sees_the_slot_update():
+    # Without ^M_UPDATE the weight update no longer depends on the gradient,
+    # but the gradient still feeds an update (of m): still a training step.
     info = detect(graphs.adam_style_train(control_edge=False))
-    assert info == graph.TrainingInfo(
-        False, "3 variable(s) updated, none from a gradient (metrics or state "
-        "updates only)", updated_variables=3)
+    assert info.training is True
+    assert info.gradient_ops == (graphs.DW,)
+
+
+def test_detect_a_gradient_that_feeds_no_update_is_not_training():
+    # A forward pass plus a weight gradient that is computed but never used
+    # to update anything (the update writes a constant).
+    b = graphs.GraphBuilder()
+    b._graph.CopyFrom(graphs.train_mlp())
+    for node in b._graph.node:
+        if node.name == graphs.SGD_UPDATE:
+            node.input[1] = "SGD/learning_rate"
+    info = detect(b.build())
+    assert info.training is False
 
 
 def test_detect_prefers_the_variable_with_most_readers():
