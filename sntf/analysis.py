@@ -504,7 +504,11 @@ def analyze(g: graph.GraphIndex, properties: Properties,
                if owner.get(t) is not None and owner.get(t) not in persistent]
         outs = [sizes.get(t, 0) for t in outputs_of[i]
                 if owner.get(t) is not None and owner.get(t) not in persistent]
-        work = persistent_bytes + sum(rounded(x) for x in ins) + sum(rounded(x) for x in outs)
+        # Distinct buffers: a view or a forwarded output shares its input's.
+        touched = {owner[t] for t in list(g.data_inputs[i]) + outputs_of[i]
+                   if owner.get(t) is not None and owner[t] not in persistent}
+        touched.add((i, SCRATCH_PORT))
+        work = persistent_bytes + sum(buffer_bytes.get(b, 0) for b in touched)
         if work > lower:
             lower, lower_step = work, s
         shapes = [_shape_of(properties, g, t) for t in g.data_inputs[i]]

@@ -1,0 +1,41 @@
+"""Predicted vs measured peak for six Keras model families (fresh processes).
+
+Each configuration trains two steps of an unchanged Keras model in its own
+process (tests/workers/measure_peak.py) and compares the CPU:0 allocator peak
+with the predicted peak of the training graph that ran. Measurement set-up:
+BFC CPU allocator (counts every allocation), one inter-op thread, and a
+batched tf.data input without prefetching (identical runs then agree within
+1 MiB).
+
+BENCHMARKS.md holds the full table, including batch sizes where the
+prediction misses (16 and 64, where the allocator's chunk effects dominate).
+"""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+
+from measure_peak import measure  # noqa: E402
+
+from sntf import models  # noqa: E402
+
+TOLERANCE = 0.15
+BATCHES = (32, 48)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("family", models.FAMILIES)
+def test_predicted_peak_within_15_percent_of_measured(family, batch):
+    r = measure(family, batch, steps=2, policy="off")
+    predicted, measured = r["predicted_peak_bytes"], r["measured_peak_bytes"]
+    assert predicted is not None, r
+    ratio = predicted / measured
+    assert abs(ratio - 1.0) <= TOLERANCE, (
+        f"{family} batch {batch}: predicted {predicted / 2**20:.1f} MiB, "
+        f"measured {measured / 2**20:.1f} MiB, ratio {ratio:.3f}")
+    # The lower bound is a bound: never above the prediction of the same graph.
+    assert 0 < r["lower_bound_bytes"] <= predicted
