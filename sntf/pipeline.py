@@ -8,6 +8,7 @@ says why.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import traceback
@@ -52,9 +53,20 @@ def new_report(name: str = "", nodes: int = 0) -> dict:
         "error": None,
         "invocations": 1,
         "batch": None,
+        "stage_seconds": {},
         "analysis": None,
         "analysis_error": None,
     }
+
+
+@contextlib.contextmanager
+def _timed(report: dict, stage: str):
+    """Adds the wall time of a stage to report["stage_seconds"]."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        report["stage_seconds"][stage] = time.perf_counter() - start
 
 
 def _finish(report: dict, start: float, graph_def=None) -> PassResult:
@@ -86,8 +98,10 @@ def run_pass(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
     try:
         from tensorflow.core.framework import graph_pb2
 
-        graph_def = graph_pb2.GraphDef.FromString(graph_bytes)
-        index = graph.build_index(graph_def, fetch, preserve)
+        with _timed(report, "parse"):
+            graph_def = graph_pb2.GraphDef.FromString(graph_bytes)
+        with _timed(report, "index"):
+            index = graph.build_index(graph_def, fetch, preserve)
         report["nodes"] = len(index)
         report["graph"] = graph.name_hint(index)
         report["devices"] = sorted({d for d in index.devices if d})
@@ -131,9 +145,11 @@ def _analyze(index: graph.GraphIndex, state: config.State,
         report["analysis_error"] = "no static properties were handed over"
         return None
     try:
-        props = decode_properties(properties(list(index.names)))
+        with _timed(report, "shapes"):
+            props = decode_properties(properties(list(index.names)))
         batch = state.options.batch_size or analysis.infer_batch(props)
-        facts = analysis.analyze(index, props, batch=batch)
+        with _timed(report, "analysis"):
+            facts = analysis.analyze(index, props, batch=batch)
     except Exception as e:  # noqa: BLE001 - the analysis must not fail the graph
         report["analysis_error"] = f"{type(e).__name__}: {e}"
         return None
@@ -153,7 +169,8 @@ def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
                             "sntf nodes); the pass is idempotent")
         report["training"] = True
         return _finish(report, start)
-    info = graph.detect_training(index)
+    with _timed(report, "detect"):
+        info = graph.detect_training(index)
     report["training"] = info.training
     if not info.training:
         report["action"] = SKIPPED
@@ -172,7 +189,8 @@ def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
             planned_peak_bytes=facts.predicted_peak_bytes,
             lower_bound_bytes=facts.lower_bound_bytes)
         report["planned_peak_bytes"] = plan.planned_peak_bytes
-    result = rewrite.apply_plan(graph_def, plan)
+    with _timed(report, "rewrite"):
+        result = rewrite.apply_plan(graph_def, plan)
     if state.options.keep_graphs:
         report["original_graph"] = graph_def
         report["rewritten_graph"] = result.graph_def

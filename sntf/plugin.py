@@ -14,6 +14,7 @@ itself refuses a second registration with an error status.
 from __future__ import annotations
 
 import collections
+import gc
 import hashlib
 import importlib
 import logging
@@ -196,7 +197,17 @@ def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
         state = config.current()
         if not state.enabled:
             return None
-        result = pipeline.run_pass(graph_bytes, fetch, preserve, state, properties)
+        # The pass allocates hundreds of thousands of small objects on large
+        # graphs; Python's cyclic GC then rescans the whole heap again and
+        # again (a 45k-node graph took 4 s instead of 1.3). Nothing the pass
+        # builds needs the cycle collector while it runs.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            result = pipeline.run_pass(graph_bytes, fetch, preserve, state, properties)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         report = result.report
         out = None
         if result.graph_def is not None:
