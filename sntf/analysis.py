@@ -333,13 +333,13 @@ def workspace_bytes(op: str, input_shapes: Sequence[Optional[tuple]],
 Properties = Mapping[str, Sequence[tuple[int, Optional[tuple[int, ...]]]]]
 
 
-def infer_batch(properties: Properties) -> Optional[int]:
-    """A batch implied by the graph itself: None while any batch dim is unknown."""
+def has_unknown_dims(properties: Properties) -> bool:
+    """Whether any output has an unknown dimension (usually the batch)."""
     for outputs in properties.values():
         for _, shape in outputs:
             if shape is None or any(d < 0 for d in shape):
-                return None
-    return 1
+                return True
+    return False
 
 
 def analyze(g: graph.GraphIndex, properties: Properties,
@@ -566,8 +566,7 @@ def _simulate_allocator(buffer_bytes: dict, persistent: set, intervals: dict,
         series.append(sim.in_use)
         for _, b in sorted(frees.get(s, ())):
             sim.free(where.pop(b))
-    # The running maximum inside a step is what the allocator's peak sees.
-    return tuple(max(x, sim_floor) for x, sim_floor in zip(series, series))
+    return tuple(series)
 
 
 def _concrete(shape: Optional[tuple], batch: Optional[int]) -> Optional[tuple]:

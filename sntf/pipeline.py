@@ -147,7 +147,11 @@ def _analyze(index: graph.GraphIndex, state: config.State,
     try:
         with _timed(report, "shapes"):
             props = decode_properties(properties(list(index.names)))
-        batch = state.options.batch_size or analysis.infer_batch(props)
+        batch = state.options.batch_size
+        if batch is None and analysis.has_unknown_dims(props):
+            report["analysis_error"] = (
+                "the batch dimension is unknown in this graph; sizes assume a "
+                "batch of 1 (pass sntf.enable(..., batch_size=N))")
         with _timed(report, "analysis"):
             facts = analysis.analyze(index, props, batch=batch)
     except Exception as e:  # noqa: BLE001 - the analysis must not fail the graph

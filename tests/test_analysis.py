@@ -106,7 +106,8 @@ def test_unknown_batch_is_symbolic_and_resolved_by_the_batch():
     g = chain()
     props = {"x": [(DT_FLOAT, (-1, 64))], "a": [(DT_FLOAT, (-1, 64))],
              "b": [(DT_FLOAT, (-1, 128))], "c": [(DT_FLOAT, (-1, 32))]}
-    assert analysis.infer_batch(props) is None
+    assert analysis.has_unknown_dims(props)
+    assert not analysis.has_unknown_dims(CHAIN_PROPS)
     assert analysis.tensor_size(DT_FLOAT, (-1, 64)) == analysis.SymbolicSize(0, 256)
     at4 = analyze(g, props, batch=4)
     at8 = analyze(g, props, batch=8)
