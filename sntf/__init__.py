@@ -59,9 +59,9 @@ def enable(policy: str = "auto", budget: config.Budgetish = None,
         from sntf import _native, plugin
 
         _native.load_ops()
+        plugin.ensure_loaded()
         if parsed_options.host_pool_limit is not None:
             _native.set_host_pool_limit(parsed_options.host_pool_limit)
-        plugin.ensure_loaded()
         config.set_state(config.State(enabled=True, policy=name,
                                       budget=parsed_budget, options=parsed_options))
 
@@ -122,9 +122,19 @@ def _enable_from_environment() -> None:
     settings = config.from_environment()
     if settings is not None:
         policy, budget = settings
-        enable(policy=policy,
-               budget=None if budget is None else
-               (budget.bytes if budget.bytes is not None else budget.fraction))
+        try:
+            enable(policy=policy,
+                   budget=None if budget is None else
+                   (budget.bytes if budget.bytes is not None else budget.fraction))
+        except NotImplementedError as e:
+            import os
+
+            if os.environ.get(config.ENV_POLICY, "").strip():
+                raise
+            raise NotImplementedError(
+                f"{config.ENV_POLICY} is unset, so with {config.ENV_BUDGET} set it "
+                f"defaults to 'auto': {e}. Set {config.ENV_POLICY}=off (or an "
+                "implemented policy).") from None
 
 
 _enable_from_environment()

@@ -238,13 +238,9 @@ def schedule(g: graph.GraphIndex) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------- costs
-def _elements(size: int, dtype_bytes: int) -> float:
-    return size / dtype_bytes if dtype_bytes else 0.0
-
-
 def op_seconds(op: str, input_bytes: Sequence[int], output_bytes: Sequence[int],
                input_shapes: Sequence[Optional[tuple]], batch: Optional[int],
-               model: CostModel = DEFAULT_COST_MODEL) -> float:
+               model: CostModel = DEFAULT_COST_MODEL, itemsize: int = 4) -> float:
     """Estimated run time of one op: max(compute, memory traffic) + dispatch.
 
     FLOPs: matmul-like ops 2*M*N*K from their operands; convolutions 2 *
@@ -252,7 +248,7 @@ def op_seconds(op: str, input_bytes: Sequence[int], output_bytes: Sequence[int],
     FLOP per output element.
     """
     moved = sum(input_bytes) + sum(output_bytes)
-    out_elems = sum(output_bytes) / 4.0
+    out_elems = sum(output_bytes) / max(itemsize, 1)
     flops = out_elems
     if op in ("MatMul", "_FusedMatMul") and len(input_shapes) >= 2 and input_shapes[1]:
         k = input_shapes[1][0] if input_shapes[1][0] > 0 else 1
@@ -512,7 +508,10 @@ def analyze(g: graph.GraphIndex, properties: Properties,
         if work > lower:
             lower, lower_step = work, s
         shapes = [_shape_of(properties, g, t) for t in g.data_inputs[i]]
-        seconds.append(op_seconds(g.ops[i], ins, outs, shapes, batch, cost_model))
+        out_props = properties.get(g.names[i], ())
+        itemsize = DTYPE_BYTES.get(out_props[0][0], 4) if out_props else 4
+        seconds.append(op_seconds(g.ops[i], ins, outs, shapes, batch, cost_model,
+                                  itemsize=itemsize))
 
     backward_steps = [s for s, i in enumerate(order) if phases[i] == graph.BACKWARD]
     timeline = Timeline(

@@ -102,6 +102,8 @@ def parse_size(value: Any, what: str = "size") -> int:
         n = int(number)
     if n <= 0:
         raise ValueError(f"sntf: invalid {what} {value!r}: it must be positive")
+    if n >= 2**63:
+        raise ValueError(f"sntf: invalid {what} {value!r}: at most 2**63-1 bytes")
     return n
 
 
@@ -284,7 +286,11 @@ def from_environment(environ: Mapping[str, str] = os.environ
 
 
 def device_memory_bytes() -> int:
-    """Memory of the device sntf manages; on a CPU-only machine, physical RAM."""
+    """Physical RAM: the device memory of a CPU-only machine.
+
+    On a GPU machine the device's own memory applies; resolving budgets there
+    comes with the budget planner (issue #6), until then RAM is used.
+    """
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 

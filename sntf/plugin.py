@@ -8,7 +8,8 @@ or None ("leave the graph unchanged"). It never raises.
 Registering a second CPU graph optimizer aborts TensorFlow (a CHECK failure),
 so the library is registered at most once per process: `ensure_loaded` checks
 the process-wide marker that the shim's TF_InitGraph sets, and the shim
-itself refuses a second registration with an error status.
+registers any second copy for a device type that never exists, where it never
+runs (an error status from TF_InitGraph would abort TensorFlow too).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ _GRAPPLER_SCOPES = ("ConstantFolding/", "ArithmeticOptimizer/", "LayoutOptimizer
                     "DependencyOptimizer/", "Remapper/", "ScopedAllocator",
                     "LoopOptimizer/", "MemoryOptimizer/", "AutoMixedPrecision/")
 _logged_failures: set = set()
+MAX_LOGGED_FAILURES = 1000   # distinct messages remembered for "log once"
+_generation = 0              # bumped by clear_reports()
 
 
 def _shim():
@@ -129,9 +132,11 @@ def ensure_loaded() -> str:
 
 
 def _log_once(key: str, message: str) -> None:
-    if key in _logged_failures:
-        return
-    _logged_failures.add(key)
+    key = key[:200]
+    with _reports_lock:
+        if key in _logged_failures or len(_logged_failures) >= MAX_LOGGED_FAILURES:
+            return
+        _logged_failures.add(key)
     logger.warning("%s", message)
 
 
@@ -164,11 +169,12 @@ def _record(report: dict, key: Optional[bytes], max_reports: int) -> None:
         if _reports.maxlen != max_reports:
             _reports = collections.deque(_reports, maxlen=max_reports)
         previous = getattr(_thread_state, "last", None)
-        if key is not None and previous is not None and previous[0] == key:
-            _merge(previous[1], report)
+        if (key is not None and previous is not None
+                and previous[:2] == (_generation, key)):
+            _merge(previous[2], report)
             return
         _reports.append(report)
-        _thread_state.last = (key, report)
+        _thread_state.last = (_generation, key, report)
 
 
 def _merge(first: dict, again: dict) -> None:
@@ -243,6 +249,7 @@ def reports() -> list[dict]:
 
 def clear_reports() -> None:
     """Forgets all reports (the next call to a known graph is reported anew)."""
+    global _generation
     with _reports_lock:
         _reports.clear()
-    _thread_state.last = None
+        _generation += 1

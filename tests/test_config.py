@@ -350,3 +350,9 @@ def test_device_memory_bytes_positive_int():
     memory = config.device_memory_bytes()
     assert type(memory) is int and memory > 0
     assert math.isfinite(memory)
+
+
+def test_sizes_beyond_64_bits_are_rejected():
+    with pytest.raises(ValueError) as e:
+        config.parse_options({"host_pool_limit": 2**64})
+    assert "2**63-1" in str(e.value)

@@ -306,3 +306,51 @@ print("RESULT " + json.dumps({"errors": errors, "enabled": sntf.enabled(),
     r = run.result()
     assert r["errors"] == [] and r["enabled"] is True
     assert True in r["training"]
+
+
+def test_forked_child_is_registered_and_enable_does_not_abort(fresh_python, tmp_path):
+    site = tmp_path / "site-packages"
+    folder = site / "tensorflow-plugins"
+    folder.mkdir(parents=True)
+    shutil.copy(_native.plugin_library_path(), folder / "libsntf_plugin.so")
+    run = fresh_python(_script("""
+import os
+import sntf
+from sntf import plugin
+pid = os.fork()
+if pid == 0:
+    # The child inherits TensorFlow's optimizer registry: loading sntf's own
+    # copy here would register a second CPU optimizer and abort.
+    try:
+        sntf.enable(policy="off")
+        losses, w = train()
+        ok = plugin.registered_path().endswith("libsntf_plugin.so") and len(losses) == 3
+    except BaseException as e:
+        ok = False
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+print("RESULT " + json.dumps({"child_status": status}))
+"""), env={"PYTHONPATH": str(site)})
+    assert run.result()["child_status"] == 0, run.stderr[-2000:]
+
+
+def test_budget_without_policy_names_the_missing_variable(fresh_python):
+    run = fresh_python("import sntf", env={"SNTF_BUDGET": "1GB"})
+    assert run.returncode == 1
+    assert "SNTF_POLICY is unset" in run.stderr and "SNTF_POLICY=off" in run.stderr
+
+
+def test_clear_reports_starts_every_thread_afresh():
+    from sntf import pipeline
+
+    plugin.clear_reports()
+    first = pipeline.new_report("g")
+    plugin._record(first, b"key", 10)
+    plugin.clear_reports()
+    again = pipeline.new_report("g")
+    plugin._record(again, b"key", 10)     # same graph key, but a new generation
+    assert plugin.reports() == [again]
+    assert again["invocations"] == 1
+    plugin._record(pipeline.new_report("g"), b"key", 10)   # second iteration
+    assert len(plugin.reports()) == 1 and plugin.reports()[0]["invocations"] == 2
+    plugin.clear_reports()

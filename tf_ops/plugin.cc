@@ -209,6 +209,12 @@ bool RunPythonPass(const TF_Buffer* graph_buf, const TF_GrapplerItem* item,
       return false;
     }
     auto props = std::make_shared<LazyProperties>(item);
+    // Whatever happens below, the properties die with this callback: the
+    // Python side may keep the callable, never the item behind it.
+    struct InvalidateOnExit {
+      std::shared_ptr<LazyProperties> props;
+      ~InvalidateOnExit() { props->Invalidate(); }
+    } guard{props};
     py::cpp_function outputs(
         [props](const std::vector<std::string>& names) {
           return props->Outputs(names);
@@ -216,7 +222,6 @@ bool RunPythonPass(const TF_Buffer* graph_buf, const TF_GrapplerItem* item,
     py::bytes graph(static_cast<const char*>(graph_buf->data),
                     graph_buf->length);
     py::object result = pass(graph, fetch, preserve, outputs);
-    props->Invalidate();
     if (result.is_none()) return false;
     *out = result.cast<std::string>();
     return true;
@@ -282,6 +287,7 @@ std::string ThisLibraryPath();
 }  // namespace sntf
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <unistd.h>
 
 namespace sntf {
@@ -295,8 +301,8 @@ std::string ThisLibraryPath() {
   return info.dli_fname;
 }
 
-// The marker holds "<pid>:<library path>". The pid matters because child
-// processes inherit the environment but not the registration.
+// The marker holds "<pid>:<library path>". The pid matters because a child
+// started with exec inherits the environment but not the registration.
 std::string RegisteredOwner() {
   const char* value = std::getenv(kRegisteredEnv);
   if (value == nullptr) return "";
@@ -316,10 +322,18 @@ std::string NextInactiveDeviceType() {
   return "SNTF_INACTIVE_DUPLICATE_" + std::to_string(count);
 }
 
-void MarkRegistered() {
+void WriteMarker() {
   std::string marker =
       std::to_string(static_cast<long>(getpid())) + ":" + ThisLibraryPath();
   setenv(kRegisteredEnv, marker.c_str(), 1);
+}
+
+void MarkRegistered() {
+  WriteMarker();
+  // A fork()ed child inherits TensorFlow's optimizer registry with the
+  // parent's memory, so it is registered too: re-stamp the marker with the
+  // child's pid. (After exec the registry is gone, and so is the match.)
+  pthread_atfork(nullptr, nullptr, WriteMarker);
 }
 }  // namespace
 }  // namespace sntf
