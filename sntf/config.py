@@ -17,11 +17,10 @@ from typing import Any, Mapping, Optional, Union
 # Policies and the capability (issue) that implements each one. A policy that
 # is not implemented yet raises NotImplementedError instead of doing nothing.
 POLICIES = ("off", "recompute", "swap", "swap+recompute", "auto")
-IMPLEMENTED_POLICIES = frozenset({"off"})
+IMPLEMENTED_POLICIES = frozenset({"off", "recompute"})
 POLICY_CAPABILITY = {
-    "recompute": "cost-aware recomputation (issue #4)",
     "swap": "the unified tensor pool (issue #5)",
-    "swap+recompute": "recomputation and the unified tensor pool (issues #4 and #5)",
+    "swap+recompute": "the unified tensor pool (issue #5)",
     "auto": "the budget-driven planner (issue #6)",
 }
 
@@ -195,6 +194,10 @@ class Options:
     # Keep each training graph's GraphDefs and Analysis in its report (for
     # tools/sntf_dump); costs memory, off by default.
     keep_graphs: bool = False
+    # Recomputation: "speed" (re-run a segment once before its first backward
+    # reader), "memory" (once per reader) or "auto" (speed unless that would
+    # raise the predicted peak).
+    recompute_mode: str = "auto"
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
@@ -225,6 +228,10 @@ def parse_options(options: Mapping[str, Any]) -> Options:
     if values.get("host_pool_limit") is not None:
         values["host_pool_limit"] = parse_size(values["host_pool_limit"],
                                                "host_pool_limit")
+    mode = values.get("recompute_mode", Options.recompute_mode)
+    if mode not in ("auto", "speed", "memory"):
+        raise ValueError(f"sntf: recompute_mode must be 'auto', 'speed' or "
+                         f"'memory', got {mode!r}")
     reports = values.get("max_reports", Options.max_reports)
     if isinstance(reports, bool) or not isinstance(reports, int) or reports <= 0:
         raise ValueError(f"sntf: max_reports must be a positive int, got {reports!r}")

@@ -48,3 +48,12 @@ def mark(node_def, role: str) -> None:
     if role not in ROLES:
         raise ValueError(f"unknown sntf role {role!r}; roles: {ROLES}")
     node_def.attr[MARKER_ATTR].s = role.encode("utf-8")
+
+
+def recompute_source(name: str) -> str:
+    """The original node a recompute clone was made from ('' if not a clone)."""
+    prefix = f"{SCOPE}/recompute/"
+    if not name.startswith(prefix):
+        return ""
+    _, _, rest = name[len(prefix):].partition("/")
+    return rest

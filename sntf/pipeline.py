@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import Callable, Optional, Sequence
 
-from sntf import analysis, config, graph, planner, rewrite
+from sntf import analysis, config, graph, names, planner, rewrite
 
 # Report actions.
 UNCHANGED = "unchanged"        # looked at, deliberately left as is
@@ -143,7 +143,7 @@ def _analyze(index: graph.GraphIndex, state: config.State,
     without it (the plan then changes nothing)."""
     if properties is None:
         report["analysis_error"] = "no static properties were handed over"
-        return None
+        return None, None
     try:
         with _timed(report, "shapes"):
             props = decode_properties(properties(list(index.names)))
@@ -156,12 +156,94 @@ def _analyze(index: graph.GraphIndex, state: config.State,
             facts = analysis.analyze(index, props, batch=batch)
     except Exception as e:  # noqa: BLE001 - the analysis must not fail the graph
         report["analysis_error"] = f"{type(e).__name__}: {e}"
-        return None
+        return None, None
     report["batch"] = batch
     report["predicted_peak_bytes"] = facts.predicted_peak_bytes
     report["lower_bound_bytes"] = facts.lower_bound_bytes
     report["analysis"] = facts.summary()
-    return facts
+    return facts, props
+
+
+def _make_plan(index: graph.GraphIndex, facts, state: config.State) -> planner.Plan:
+    """The policy's plan; rewriting policies need the analysis."""
+    if state.policy == "recompute":
+        if facts is None:
+            return planner.identity_plan("recompute", "no analysis: nothing recomputed")
+        protected = frozenset(index.fetch) | frozenset(index.preserve)
+        return planner.plan_recompute(index, facts, state.options.recompute_mode,
+                                      protected)
+    return planner.make_plan(state.policy)
+
+
+def _best_rewrite(graph_def, index: graph.GraphIndex, facts, props,
+                  state: config.State, report: dict):
+    """Plans, rewrites and re-analyzes; keeps a rewrite only if it lowers the
+    predicted peak (a plan that would raise it is dropped, with the reason).
+
+    For recompute_mode "auto", both the speed- and the memory-centric plan
+    are tried and the one with the lower planned peak wins.
+
+    Returns:
+      (plan, rewrite result, Analysis of the rewritten graph or None).
+    """
+    candidates = [state]
+    if state.policy == "recompute" and state.options.recompute_mode == "auto":
+        candidates = [dataclasses.replace(state, options=dataclasses.replace(
+            state.options, recompute_mode=mode)) for mode in ("speed", "memory")]
+    best = None
+    rejected = []
+    for candidate in candidates:
+        plan = _make_plan(index, facts, candidate)
+        with _timed(report, "rewrite"):
+            result = rewrite.apply_plan(graph_def, plan)
+        planned = None
+        if result.modified:
+            new_index = _validate(result.graph_def, index)
+            if props is not None:
+                with _timed(report, "planned_analysis"):
+                    planned = analysis.analyze(new_index, _with_clones(props, new_index),
+                                               batch=facts.batch)
+            if planned is None or planned.predicted_peak_bytes >= facts.predicted_peak_bytes:
+                rejected.append((plan, planned))
+                continue
+        if best is None or (planned is not None and best[2] is not None
+                            and planned.predicted_peak_bytes < best[2].predicted_peak_bytes):
+            best = (plan, result, planned)
+    if best is not None:
+        return best
+    # Every rewrite would raise (or not lower) the predicted peak: keep the graph.
+    plan, planned = rejected[0]
+    figures = (f"{facts.predicted_peak_bytes} -> {planned.predicted_peak_bytes} bytes"
+               if planned is not None else "no planned analysis")
+    kept = planner.identity_plan(
+        plan.policy, f"{len(plan.recomputes)} recomputation(s) planned but not "
+        f"applied: the predicted peak would not fall ({figures})")
+    return kept, rewrite.apply_plan(graph_def, kept), None
+
+
+def _validate(graph_def, before: graph.GraphIndex) -> graph.GraphIndex:
+    """Indexes a rewritten graph; a malformed or cyclic result is an error
+    (the pass then hands the original graph back)."""
+    fetch = [before.names[i] for i in before.fetch]
+    preserve = [before.names[i] for i in before.preserve]
+    index = graph.build_index(graph_def, fetch, preserve)
+    if index.has_cycles and not before.has_cycles:
+        raise graph.GraphError("the rewrite created a cycle")
+    missing = set(fetch) - set(index.names)
+    if missing:
+        raise graph.GraphError(f"the rewrite lost fetch nodes {sorted(missing)}")
+    return index
+
+
+def _with_clones(props: dict, index: graph.GraphIndex) -> dict:
+    """Static properties extended to recomputed clones (same as their source)."""
+    extended = dict(props)
+    for name in index.names:
+        if name not in extended:
+            source = names.recompute_source(name)
+            if source in props:
+                extended[name] = props[source]
+    return extended
 
 
 def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
@@ -185,20 +267,19 @@ def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
         report["reason"] = ("XLA-compiled graph: custom ops cannot run inside "
                             "an XLA cluster, so sntf leaves it alone")
         return _finish(report, start)
-    facts = _analyze(index, state, properties, report)
-    plan = planner.make_plan(state.policy)
+    facts, props = _analyze(index, state, properties, report)
+    plan, result, planned = _best_rewrite(graph_def, index, facts, props, state, report)
     if facts is not None:
         plan = dataclasses.replace(
             plan, predicted_peak_bytes=facts.predicted_peak_bytes,
-            planned_peak_bytes=facts.predicted_peak_bytes,
+            planned_peak_bytes=(planned or facts).predicted_peak_bytes,
             lower_bound_bytes=facts.lower_bound_bytes)
         report["planned_peak_bytes"] = plan.planned_peak_bytes
-    with _timed(report, "rewrite"):
-        result = rewrite.apply_plan(graph_def, plan)
     if state.options.keep_graphs:
         report["original_graph"] = graph_def
         report["rewritten_graph"] = result.graph_def
         report["analysis_result"] = facts
+        report["planned_analysis_result"] = planned
     report["swapped"] = plan.tensors(planner.SWAP)
     report["recomputed"] = plan.tensors(planner.RECOMPUTE)
     report["plan"] = plan.to_dict()

@@ -8,6 +8,7 @@ nothing about how the rewrite is done.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 from typing import Optional
@@ -41,6 +42,7 @@ class Plan:
     planned_peak_bytes: Optional[int] = None
     lower_bound_bytes: Optional[int] = None
     notes: tuple[str, ...] = ()
+    recomputes: tuple = ()           # Recompute recipes, one per recomputed tensor
 
     def tensors(self, action: str) -> list[str]:
         """Tensors given `action`, in decision order."""
@@ -75,3 +77,157 @@ def make_plan(policy: str) -> Plan:
     if policy == "off":
         return identity_plan(policy, "policy 'off': graph left as TensorFlow built it")
     raise NotImplementedError(f"policy {policy!r} has no planner yet")
+
+
+# ---------------------------------------------------------------- recompute
+RECOMPUTE_MODES = ("auto", "speed", "memory")
+# Longest chain of cheap ops re-run to rebuild one tensor: recompute chains
+# stop at checkpoints and never run back through a long residual chain.
+MAX_RECOMPUTE_CHAIN = 8
+# Ops never re-run, whatever their class: reading a variable again could see
+# a newer value; inputs, constants and handles are free to keep.
+NEVER_RECOMPUTE_OPS = frozenset({
+    "ReadVariableOp", "ResourceGather", "ResourceGatherNd", "_Arg", "Const",
+    "HostConst", "Placeholder", "VarHandleOp", "IteratorGetNext", "Identity",
+    "IdentityN", "NoOp",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeGroup:
+    """Backward readers served by one clone of a chain, and what releases it."""
+
+    consumers: tuple[tuple[str, int], ...]   # (node name, data input slot)
+    trigger: str                             # clones wait for this node
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    """How to rebuild one tensor in the backward pass."""
+
+    tensor: str                      # "node:port" of the forward tensor
+    chain: tuple[str, ...]           # nodes to clone, inputs before users
+    groups: tuple[RecomputeGroup, ...]
+
+
+def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset()) -> Plan:
+    """Superneurons' cost-aware recomputation of cheap forward tensors.
+
+    A cheap forward tensor (activation, normalization, pooling, dropout...)
+    that the backward pass reads is not kept from forward to backward: its
+    chain of cheap ops is cloned from the nearest checkpoints and re-run just
+    before its first backward reader, released by a control edge from that
+    reader's gradient input.
+
+    Args:
+      g: the graph index (sntf.graph.GraphIndex).
+      facts: the analysis of g (sntf.analysis.Analysis).
+      mode: "speed" (one clone serves every backward reader), "memory" (one
+        clone per reader, freed right after it) or "auto" (speed unless the
+        segment's recomputed working set would raise the predicted peak).
+      protected: node indices that must not be recomputed (fetch, preserve).
+
+    Returns:
+      A Plan with one RECOMPUTE decision and one Recompute recipe per tensor.
+    """
+    from sntf import analysis
+    from sntf import graph as graph_model
+
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"unknown recompute mode {mode!r}; modes: {RECOMPUTE_MODES}")
+    if graph_model.control_flow_ops(g):
+        return identity_plan("recompute", "control flow present: not recomputed")
+    step_of = {node: s for s, node in enumerate(facts.schedule)}
+    phases = facts.phases
+
+    def recomputable(i: int) -> bool:
+        return (phases[i] == graph_model.FORWARD and i not in protected
+                and g.ops[i] not in NEVER_RECOMPUTE_OPS
+                and analysis.op_class(g.ops[i]) == analysis.CHEAP
+                and not graph_model.is_update_op(g.ops[i]))
+
+    # Tensors the backward pass reads stay alive until then anyway: a chain
+    # starts from them rather than re-running what produced them.
+    read_by_backward = {i for i in range(len(g.names))
+                        if any(phases[c] == graph_model.BACKWARD
+                               for c, _, _ in g.consumers[i])}
+    backward_steps = [s for s, i in enumerate(facts.schedule)
+                      if phases[i] == graph_model.BACKWARD]
+    decisions, recipes = [], []
+    for producer in facts.schedule:
+        if not recomputable(producer) or g.ops[producer] in analysis.ALIAS_OPS:
+            continue
+        for port in sorted({p for _, _, p in g.consumers[producer]}):
+            t = (producer, port)
+            if facts.buffer_of(t) != t:
+                continue          # lives in another tensor's buffer: no saving
+            readers = [(c, slot) for c, slot, p in g.consumers[producer]
+                       if p == port and phases[c] == graph_model.BACKWARD]
+            if not readers:
+                continue
+            chain = _chain(g, producer, recomputable, read_by_backward)
+            if chain is None:
+                continue
+            chain = sorted(chain, key=step_of.get)
+            saved = facts.tensor_bytes.get(t, 0)
+            groups = _groups(g, facts, readers, chain, saved, mode, step_of,
+                             backward_steps)
+            if not groups:
+                continue
+            name = f"{g.names[producer]}:{port}"
+            recipes.append(Recompute(
+                tensor=name, chain=tuple(g.names[i] for i in chain),
+                groups=tuple(groups)))
+            seconds = sum(facts.op_seconds[step_of[i]] for i in chain) * len(groups)
+            decisions.append(Decision(
+                tensor=name, action=RECOMPUTE,
+                reason=(f"cheap {g.ops[producer]} output read by {len(readers)} "
+                        f"backward op(s); {len(chain)} op(s) re-run "
+                        f"{'per reader' if len(groups) > 1 else 'once'}"),
+                bytes_saved=saved, seconds_added=seconds))
+    note = f"recompute ({mode}): {len(recipes)} tensor(s)"
+    return Plan(policy="recompute", decisions=tuple(decisions), notes=(note,),
+                recomputes=tuple(recipes))
+
+
+def _chain(g, producer: int, recomputable, kept: set) -> Optional[list]:
+    """The cheap nodes to re-run for `producer`, or None if the chain is too long."""
+    chain, stack = {producer}, [producer]
+    while stack:
+        node = stack.pop()
+        for p, _ in g.data_inputs[node]:
+            if (p in chain or p in kept or not recomputable(p)
+                    or g.ops[p] in _VIEW_OPS):
+                continue
+            chain.add(p)
+            if len(chain) > MAX_RECOMPUTE_CHAIN:
+                return None
+            stack.append(p)
+    return list(chain)
+
+
+_VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Snapshot"})
+
+
+def _groups(g, facts, readers, chain, saved, mode, step_of, backward_steps) -> list:
+    """Groups of backward readers, each with the node that releases its clone."""
+    readers = sorted(readers, key=lambda r: step_of[r[0]])
+    if mode == "auto":
+        first, last = step_of[readers[0][0]], step_of[readers[-1][0]]
+        working = sum(facts.tensor_bytes.get((i, 0), 0) for i in chain)
+        during = max(facts.timeline.device_bytes[first:last + 1] or [0])
+        mode = "memory" if during - saved + working > facts.predicted_peak_bytes else "speed"
+    batches = [readers] if mode == "speed" else [[r] for r in readers]
+    groups = []
+    for batch in batches:
+        # The backward op scheduled right before the group's first reader
+        # releases the clone: it then runs just in time, and (scheduled before
+        # every reader of the group) it can never depend on one of them.
+        k = bisect.bisect_left(backward_steps, step_of[batch[0][0]])
+        if k == 0:
+            return []
+        trigger = facts.schedule[backward_steps[k - 1]]
+        groups.append(RecomputeGroup(
+            consumers=tuple((g.names[c], slot) for c, slot in batch),
+            trigger=g.names[trigger]))
+    return groups

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sntf import planner
+from sntf import graph, names, planner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +31,62 @@ def apply_plan(graph_def, plan: planner.Plan) -> RewriteResult:
 
     Raises:
       NotImplementedError: for actions whose rewrite does not exist yet.
+      ValueError: a recipe names a node the graph does not have.
     """
     out = type(graph_def)()
     out.CopyFrom(graph_def)
-    pending = [d for d in plan.decisions if d.action != planner.KEEP]
+    pending = [d for d in plan.decisions if d.action not in (planner.KEEP, planner.RECOMPUTE)]
     if pending:
         raise NotImplementedError(
             f"rewrite for action {pending[0].action!r} is not implemented")
-    return RewriteResult(graph_def=out, modified=False)
+    nodes = {node.name: node for node in out.node}
+    for k, recipe in enumerate(plan.recomputes):
+        _apply_recompute(out, nodes, recipe, k)
+    return RewriteResult(graph_def=out, modified=bool(plan.recomputes))
+
+
+def _apply_recompute(out, nodes: dict, recipe: planner.Recompute, k: int) -> None:
+    """Clones a recipe's chain once per group and rewires the group's readers."""
+    producer, _, port = recipe.tensor.rpartition(":")
+    for j, group in enumerate(recipe.groups):
+        clones = {}
+        for name in recipe.chain:
+            original = _node(nodes, name)
+            clone = out.node.add()
+            clone.CopyFrom(original)
+            clone.name = names.recompute_name(name, _index(k, j))
+            names.mark(clone, names.ROLE_RECOMPUTE)
+            del clone.input[:]
+            roots_only = True
+            for text in original.input:
+                src, src_port, control = graph.parse_input(text)
+                if not control and src in clones:
+                    clone.input.append(f"{clones[src]}:{src_port}")
+                    roots_only = False
+                else:
+                    clone.input.append(text)
+            if roots_only:
+                # Held back until the backward pass reaches this point;
+                # without it TensorFlow runs the clone at once and nothing
+                # is saved. Control inputs go after data inputs.
+                clone.input.append("^" + group.trigger)
+            clones[name] = clone.name
+        for consumer, slot in group.consumers:
+            _set_data_input(_node(nodes, consumer), slot, f"{clones[producer]}:{port}")
+
+
+def _index(recipe: int, group: int) -> int:
+    """A clone index unique per (recipe, group) in this rewrite."""
+    return recipe * 1000 + group
+
+
+def _node(nodes: dict, name: str):
+    if name not in nodes:
+        raise ValueError(f"plan names node {name!r}, which the graph does not have")
+    return nodes[name]
+
+
+def _set_data_input(node, slot: int, text: str) -> None:
+    """Replaces the slot-th data input of a NodeDef."""
+    data = [i for i, t in enumerate(node.input) if not t.startswith("^")]
+    node.input[data[slot]] = text

@@ -185,9 +185,8 @@ def test_require_implemented_off():
 
 
 @pytest.mark.parametrize("policy, capability", [
-    ("recompute", "issue #4"),
     ("swap", "issue #5"),
-    ("swap+recompute", "issues #4 and #5"),
+    ("swap+recompute", "issue #5"),
     ("auto", "issue #6"),
 ])
 def test_require_implemented_refuses(policy, capability):
@@ -197,7 +196,7 @@ def test_require_implemented_refuses(policy, capability):
     assert f"policy {policy!r} needs" in message
     assert capability in message
     assert config.POLICY_CAPABILITY[policy] in message
-    assert message.endswith("available now: 'off'")
+    assert message.endswith("available now: 'off', 'recompute'")
 
 
 def test_every_policy_is_implemented_or_has_a_capability():
@@ -219,7 +218,8 @@ def test_parse_options_defaults():
 
 def test_option_names():
     assert config.OPTION_NAMES == ("identity_rewrite", "batch_size",
-                                   "host_pool_limit", "max_reports", "keep_graphs")
+                                   "host_pool_limit", "max_reports", "keep_graphs",
+                                   "recompute_mode")
 
 
 def test_parse_options_values():
@@ -238,7 +238,7 @@ def test_parse_options_unknown_key():
     assert str(excinfo.value) == (
         "sntf.enable() got unknown option(s) ['alpha', 'zeta']; accepted "
         "options: identity_rewrite, batch_size, host_pool_limit, max_reports, "
-        "keep_graphs")
+        "keep_graphs, recompute_mode")
 
 
 @pytest.mark.parametrize("options, fragment", [

@@ -166,7 +166,7 @@ def test_malformed_graph_reports_error(family, reason):
     assert "GraphError" in result.report["error"]
 
 
-@pytest.mark.parametrize("policy", ["recompute", "swap", "swap+recompute", "auto"])
+@pytest.mark.parametrize("policy", ["swap", "swap+recompute", "auto"])
 def test_unimplemented_policy_on_training_graph_reports_error(policy):
     result = run(graphs.train_mlp(), config.State(enabled=True, policy=policy))
     assert result.graph_def is None
@@ -320,6 +320,7 @@ def test_plan_to_json_round_trips():
         "planned_peak_bytes": 850,
         "lower_bound_bytes": 400,
         "notes": ["n1", "n2"],
+        "recomputes": [],
     }
     rebuilt = planner.Plan(
         policy=loaded["policy"],
@@ -371,7 +372,7 @@ def test_apply_plan_keep_decisions_change_nothing():
     assert (result.graph_def == gd, result.modified) == (True, False)
 
 
-@pytest.mark.parametrize("action", ["swap", "recompute"])
+@pytest.mark.parametrize("action", ["swap"])
 def test_apply_plan_refuses_unimplemented_actions(action):
     gd = graphs.train_mlp()
     before = gd.SerializeToString(deterministic=True)

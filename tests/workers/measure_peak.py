@@ -83,6 +83,8 @@ def _parser():
     parser.add_argument("--input", default="dataset", choices=("dataset", "arrays"),
                         help="dataset: a batched tf.data pipeline without "
                         "prefetching (repeatable peaks); arrays: model.fit(x, y)")
+    parser.add_argument("--recompute-mode", default=None,
+                        choices=("auto", "speed", "memory"))
     parser.add_argument("--out", default=None)
     return parser
 
@@ -116,7 +118,8 @@ def _run(args):
         import sntf
         from sntf import models
 
-        sntf.enable(policy=args.policy, batch_size=args.batch)
+        options = {"recompute_mode": args.recompute_mode} if args.recompute_mode else {}
+        sntf.enable(policy=args.policy, batch_size=args.batch, **options)
     else:
         models = _models_without_sntf()
     device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
@@ -193,8 +196,8 @@ def _run(args):
     if sntf is not None:
         reports = sntf.reports()
         training = [r for r in reports if r.get("training")]
-        keys = ("graph", "nodes", "predicted_peak_bytes", "lower_bound_bytes",
-                "pass_seconds", "invocations", "action")
+        keys = ("graph", "nodes", "predicted_peak_bytes", "planned_peak_bytes",
+                "lower_bound_bytes", "pass_seconds", "invocations", "action")
         result["training_reports"] = [{k: r.get(k) for k in keys} for r in training]
         result["nodes"] = [r.get("nodes") for r in training]
         result["reports_total"] = len(reports)

@@ -51,6 +51,10 @@ def main():
     parser.add_argument("--sntf", default=None,
                         help="policy to enable; omitted: sntf is not imported")
     parser.add_argument("--identity-rewrite", action="store_true")
+    parser.add_argument("--recompute-mode", default=None,
+                        help="recompute_mode option (with --sntf recompute)")
+    parser.add_argument("--family", default=None,
+                        help="a model family of sntf.models instead of --model")
     parser.add_argument("--evaluate", action="store_true",
                         help="also run evaluate() and predict()")
     parser.add_argument("--out", required=True)
@@ -63,17 +67,28 @@ def main():
     if args.sntf is not None:
         import sntf
 
-        sntf.enable(policy=args.sntf, identity_rewrite=args.identity_rewrite)
+        options = {"identity_rewrite": args.identity_rewrite}
+        if args.recompute_mode:
+            options["recompute_mode"] = args.recompute_mode
+        sntf.enable(policy=args.sntf, batch_size=args.batch, **options)
     tf.config.experimental.enable_op_determinism()
     keras.utils.set_random_seed(1234)
-    model = build_model(args.model, keras)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    rng = np.random.default_rng(7)
     n = args.steps * args.batch
-    x = rng.random((n,) + input_shape(args.model), dtype=np.float32)
-    y = rng.integers(0, 10, n)
+    if args.family:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__)))))
+        from sntf import models
+
+        model = models.build(args.family)
+        x, y = models.make_data(args.family, n, seed=7)
+    else:
+        model = build_model(args.model, keras)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        rng = np.random.default_rng(7)
+        x = rng.random((n,) + input_shape(args.model), dtype=np.float32)
+        y = rng.integers(0, 10, n)
     losses = []
 
     class StepLosses(keras.callbacks.Callback):

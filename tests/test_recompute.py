@@ -1,0 +1,171 @@
+"""Recomputation: plan and rewrite on a hand-built step; bit-identical training
+with every mode on the six model families (fresh processes)."""
+
+import os
+
+import numpy as np
+import pytest
+
+import graphs
+from conftest import WORKERS
+from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder
+from sntf import analysis, config, names, pipeline, planner, rewrite
+from sntf import graph as G
+
+
+def pool_step():
+    """h = x W; r = relu(h); p = maxpool(r); loss = sum(p); W -= lr x^T dh.
+
+    The backward pass reads p (MaxPoolGrad), so p is kept from forward to
+    backward unless it is recomputed from r, which the backward pass reads
+    anyway."""
+    b = GraphBuilder()
+    (b.arg("x").arg("w", DT_RESOURCE).read("w_read", "w")
+     .op("MatMul", "h", ["x", "w_read"], T=DT_FLOAT)
+     .op("Relu", "r", ["h"], T=DT_FLOAT)
+     .op("MaxPool", "p", ["r"], T=DT_FLOAT)
+     .const("axes", [0], DT_INT32)
+     .op("Sum", "loss", ["p", "axes"], T=DT_FLOAT)
+     .const("grad/ones", 1.0)
+     .op("Mul", "grad/seed", ["grad/ones", "loss"], T=DT_FLOAT)
+     .op("MaxPoolGrad", "grad/pool", ["r", "p", "grad/seed"], T=DT_FLOAT)
+     .op("ReluGrad", "grad/relu", ["grad/pool", "r"], T=DT_FLOAT)
+     .op("MatMul", "grad/w", ["x", "grad/relu"], T=DT_FLOAT, transpose_a=True)
+     .const("lr", 0.1)
+     .op("Mul", "sgd/mul", ["lr", "grad/w"], T=DT_FLOAT)
+     .op("AssignSubVariableOp", "sgd/update", ["w", "sgd/mul"], dtype=DT_FLOAT)
+     .retval("ret", "loss"))
+    return b.build()
+
+
+def _props(g):
+    idx = G.build_index(g)
+    props = {}
+    for name, op in zip(idx.names, idx.ops):
+        if op in ("_Retval", "AssignSubVariableOp"):
+            props[name] = []
+        elif name == "w":
+            props[name] = [(DT_RESOURCE, ())]
+        elif op in ("Const", "Sum"):
+            props[name] = [(DT_FLOAT, ())]
+        elif name == "p":
+            props[name] = [(DT_FLOAT, (256,))]
+        elif name == "grad/seed":
+            props[name] = [(DT_FLOAT, ())]
+        else:
+            props[name] = [(DT_FLOAT, (1024,))]
+    return props
+
+
+def plan_for(mode):
+    g = pool_step()
+    idx = G.build_index(g, ["ret"])
+    facts = analysis.analyze(idx, _props(g))
+    return g, idx, planner.plan_recompute(idx, facts, mode, frozenset(idx.fetch))
+
+
+def test_plan_recomputes_the_pooled_tensor_from_the_kept_relu():
+    _, _, plan = plan_for("speed")
+    assert [r.tensor for r in plan.recomputes] == ["p:0"]
+    recipe = plan.recomputes[0]
+    assert recipe.chain == ("p",)            # r is read by backward: kept, not re-run
+    assert recipe.groups == (planner.RecomputeGroup(
+        consumers=(("grad/pool", 1),), trigger="grad/seed"),)
+    decision = plan.decisions[0]
+    assert decision.action == planner.RECOMPUTE and decision.bytes_saved == 1024
+
+
+def test_rewrite_clones_holds_back_and_rewires():
+    g, idx, plan = plan_for("memory")
+    out = rewrite.apply_plan(g, plan).graph_def
+    nodes = {n.name: n for n in out.node}
+    clones = [n for n in out.node if names.role_of(n) == names.ROLE_RECOMPUTE]
+    assert len(clones) == len(plan.recomputes[0].groups)
+    for clone, group in zip(clones, plan.recomputes[0].groups):
+        assert names.recompute_source(clone.name) == "p"
+        assert list(clone.input) == ["r", "^" + group.trigger]
+        assert clone.op == "MaxPool" and clone.attr["T"] == nodes["p"].attr["T"]
+        for consumer, slot in group.consumers:
+            data = [t for t in nodes[consumer].input if not t.startswith("^")]
+            assert data[slot] == clone.name + ":0"
+    # The forward reader keeps the original.
+    assert list(nodes["loss"].input) == ["p", "axes"]
+    # The input graph is untouched, and the result is a valid acyclic graph.
+    assert not any(names.role_of(n) for n in g.node)
+    new = G.build_index(out, ["ret"])
+    assert not new.has_cycles
+
+
+def test_pass_keeps_a_graph_the_plan_would_not_improve_and_is_idempotent():
+    g = pool_step()
+    state = config.State(enabled=True, policy="recompute",
+                         options=config.Options(recompute_mode="speed"))
+    props = _props(g)
+
+    def properties(names_):
+        from tensorflow.core.grappler.costs import op_performance_data_pb2 as perf
+        from tensorflow.core.framework import tensor_shape_pb2
+
+        result = {}
+        for name in names_:
+            outs = []
+            for dtype, shape in props.get(name, []):
+                p = perf.OpInfo.TensorProperties(dtype=dtype)
+                p.shape.CopyFrom(tensor_shape_pb2.TensorShapeProto(
+                    dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in shape]))
+                outs.append(p.SerializeToString())
+            result[name] = outs
+        return result
+
+    first = pipeline.run_pass(g.SerializeToString(), ["ret"], [], state, properties)
+    # Re-running p does not lower this graph's predicted peak (the peak is
+    # elsewhere), so the pass keeps the graph and says why.
+    assert first.graph_def is None
+    assert first.report["action"] == "unchanged", first.report
+    assert "planned but not applied" in first.report["reason"]
+    assert first.report["planned_peak_bytes"] == first.report["predicted_peak_bytes"]
+    # A graph sntf already rewrote is recognized and left alone.
+    _, _, plan = plan_for("speed")
+    rewritten = rewrite.apply_plan(g, plan).graph_def
+    again = pipeline.run_pass(rewritten.SerializeToString(), ["ret"], [], state,
+                              properties)
+    assert again.graph_def is None and "already rewritten" in again.report["reason"]
+
+
+def test_unknown_mode_is_rejected():
+    with pytest.raises(ValueError):
+        config.parse_options({"recompute_mode": "fast"})
+    with pytest.raises(ValueError):
+        plan_for("fast")
+
+
+def _train(fresh_python, out, family, *flags):
+    run = fresh_python(args=[os.path.join(WORKERS, "train_keras.py"), "--family",
+                             family, "--batch", "8", "--steps", "3", "--out",
+                             str(out), *flags])
+    result = run.result()
+    with np.load(out) as data:
+        return result, {k: data[k].copy() for k in data.files}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mlp", "vgg", "resnet", "densenet",
+                                    "transformer", "mobilenet"])
+def test_every_mode_trains_bit_identically(fresh_python, tmp_path, family):
+    base, weights = _train(fresh_python, tmp_path / "base.npz", family)
+    for mode in ("speed", "memory", "auto"):
+        result, got = _train(fresh_python, tmp_path / f"{mode}.npz", family,
+                             "--sntf", "recompute", "--recompute-mode", mode)
+        assert result["losses"] == base["losses"], (family, mode)
+        for k in weights:
+            assert got[k].tobytes() == weights[k].tobytes(), (family, mode, k)
+        training = [r for r in result["reports"] if r["training"]]
+        assert training and all(r["action"] in ("rewritten", "unchanged")
+                                for r in training)
+        # Either the graph was rewritten, or the report says why not (no
+        # cheap tensor, or a plan that would not lower the predicted peak).
+        for r in training:
+            assert (r["action"] == "rewritten" or "recomput" in r["reason"]
+                    or "already rewritten" in r["reason"]), r
+        if family == "vgg" and mode != "memory":
+            assert any(r["action"] == "rewritten" for r in training), training
