@@ -68,8 +68,9 @@ def make_plan(policy: str) -> Plan:
     """Plans a training graph under `policy`.
 
     Args:
-      policy: a validated policy name. Only "off" is implemented so far;
-        sntf.enable refuses the others, so reaching them here is a bug.
+      policy: a validated policy name. "off" is planned here; "recompute"
+        needs the analysis and goes through plan_recompute; sntf.enable
+        refuses the others, so reaching them here is a bug.
 
     Returns:
       The Plan.
