@@ -407,7 +407,7 @@ def analyze(g: graph.GraphIndex, properties: Properties,
             if op in ALIAS_OPS and inputs and _reads_variable(g, inputs[0][0]):
                 # A read of a variable is a view of the variable's buffer:
                 # persistent, and counted once however often it is read.
-                b = (graph._handle_root(g, inputs[0][0]), VARIABLE_PORT)
+                b = (graph.handle_root(g, inputs[0][0]), VARIABLE_PORT)
                 owner[t] = b
                 buffer_bytes.setdefault(b, rounded(sizes[t]))
                 buffer_alloc[b] = -1
@@ -445,14 +445,19 @@ def analyze(g: graph.GraphIndex, properties: Properties,
         if b is not None:
             buffer_free[b] = end
 
+    # Per node, once: static input shapes and the element size of its output.
+    input_shapes = [[_shape_of(properties, g, t) for t in g.data_inputs[i]]
+                    for i in range(n)]
+    itemsizes = [DTYPE_BYTES.get(properties[g.names[i]][0][0], 4)
+                 if properties.get(g.names[i]) else 4 for i in range(n)]
+
     # Scratch buffers: live only while their op runs.
     threads = os.cpu_count() or 1
     for s, i in enumerate(order):
         outs = properties.get(g.names[i], ())
-        ins = [_shape_of(properties, g, t) for t in g.data_inputs[i]]
-        itemsize = DTYPE_BYTES.get(outs[0][0], 4) if outs else 4
-        ws = workspace_bytes(g.ops[i], [_concrete(x, batch) for x in ins],
-                             [_concrete(o[1], batch) for o in outs], itemsize, threads)
+        ws = workspace_bytes(g.ops[i], [_concrete(x, batch) for x in input_shapes[i]],
+                             [_concrete(o[1], batch) for o in outs], itemsizes[i],
+                             threads)
         if ws:
             b = (i, SCRATCH_PORT)
             buffer_bytes[b] = rounded(ws)
@@ -507,11 +512,8 @@ def analyze(g: graph.GraphIndex, properties: Properties,
         work = persistent_bytes + sum(buffer_bytes.get(b, 0) for b in touched)
         if work > lower:
             lower, lower_step = work, s
-        shapes = [_shape_of(properties, g, t) for t in g.data_inputs[i]]
-        out_props = properties.get(g.names[i], ())
-        itemsize = DTYPE_BYTES.get(out_props[0][0], 4) if out_props else 4
-        seconds.append(op_seconds(g.ops[i], ins, outs, shapes, batch, cost_model,
-                                  itemsize=itemsize))
+        seconds.append(op_seconds(g.ops[i], ins, outs, input_shapes[i], batch,
+                                  cost_model, itemsize=itemsizes[i]))
 
     backward_steps = [s for s, i in enumerate(order) if phases[i] == graph.BACKWARD]
     timeline = Timeline(
@@ -522,7 +524,7 @@ def analyze(g: graph.GraphIndex, properties: Properties,
                                and phases[i] == graph.FORWARD))
     return Analysis(
         batch=batch, schedule=order, phases=phases,
-        tensor_bytes={b: buffer_bytes[b] for b in buffer_bytes},
+        tensor_bytes=dict(buffer_bytes),
         tensor_class=klass, intervals=intervals, buffers=dict(owner),
         persistent_bytes=persistent_bytes, timeline=timeline,
         predicted_peak_bytes=peak, peak_step=peak_step,
@@ -536,7 +538,7 @@ SCRATCH_PORT = -1    # buffer key (node, -1): an op's scratch memory
 
 def _reads_variable(g: graph.GraphIndex, producer: int) -> bool:
     """Whether a tensor comes from a resource handle (through Identity ops)."""
-    return g.ops[graph._handle_root(g, producer)] in FREE_OPS
+    return g.ops[graph.handle_root(g, producer)] in FREE_OPS
 
 
 def _simulate_allocator(buffer_bytes: dict, persistent: set, intervals: dict,

@@ -277,7 +277,7 @@ class TrainingInfo:
     updated_variables: int = 0
 
 
-def _handle_root(g: GraphIndex, node: int) -> int:
+def handle_root(g: GraphIndex, node: int) -> int:
     """The node a resource handle comes from, through Identity forwarding."""
     seen = 0
     while g.ops[node] in HANDLE_FORWARDING_OPS and g.data_inputs[node] and seen < 64:
@@ -297,7 +297,7 @@ def variable_access(g: GraphIndex) -> tuple[dict, dict]:
     updates = collections.defaultdict(list)
     for i, op in enumerate(g.ops):
         if g.data_inputs[i] and is_update_op(op):
-            updates[_handle_root(g, g.data_inputs[i][0][0])].append(i)
+            updates[handle_root(g, g.data_inputs[i][0][0])].append(i)
     readers = collections.defaultdict(list)
     for root in updates:
         stack, seen = [root], {root}
@@ -350,7 +350,7 @@ def _weight_users(g: GraphIndex, handle: int, readers: Sequence[int]
     for f in sorted(users):
         activations = {p for p, _ in g.data_inputs[f]
                        if p not in derived and g.ops[p] not in CONST_OPS
-                       and _handle_root(g, p) != handle}
+                       and handle_root(g, p) != handle}
         if activations and not is_update_op(g.ops[f]):
             result.append((f, activations))
     return derived, result

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import time
 import traceback
 from typing import Callable, Optional, Sequence
@@ -31,6 +32,33 @@ class PassResult:
 
     graph_def: Optional[object]
     report: dict
+    # Identity of the graph across Grappler's two iterations (None when the
+    # graph could not be parsed); see graph_key.
+    key: Optional[bytes] = None
+
+
+# Name scopes of nodes that Grappler's own optimizers create or rename.
+GRAPPLER_SCOPES = ("ConstantFolding/", "ArithmeticOptimizer/", "LayoutOptimizer",
+                   "DependencyOptimizer/", "Remapper/", "ScopedAllocator",
+                   "LoopOptimizer/", "MemoryOptimizer/", "AutoMixedPrecision/")
+
+
+def graph_key(graph_def, fetch: Sequence[str]) -> bytes:
+    """Identity of "the same graph" across Grappler's two iterations.
+
+    The second iteration sees the graph after other optimizers touched it, so
+    its bytes differ; the names of its computing nodes do not, except for
+    constants and nodes those optimizers generate under their own scopes.
+    A graph they did change structurally gets a second report, which is the
+    honest outcome.
+    """
+    stable = sorted(n.name for n in graph_def.node
+                    if n.op not in ("Const", "HostConst")
+                    and not n.name.startswith(GRAPPLER_SCOPES))
+    h = hashlib.blake2b(digest_size=16)
+    for part in list(fetch) + ["|"] + stable:
+        h.update(part.encode("utf-8", "replace") + b"\0")
+    return h.digest()
 
 
 def new_report(name: str = "", nodes: int = 0) -> dict:
@@ -100,12 +128,14 @@ def run_pass(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
 
         with _timed(report, "parse"):
             graph_def = graph_pb2.GraphDef.FromString(graph_bytes)
+        key = graph_key(graph_def, fetch)
         with _timed(report, "index"):
             index = graph.build_index(graph_def, fetch, preserve)
         report["nodes"] = len(index)
         report["graph"] = graph.name_hint(index)
         report["devices"] = sorted({d for d in index.devices if d})
-        return _plan_and_rewrite(graph_def, index, state, report, start, properties)
+        result = _plan_and_rewrite(graph_def, index, state, report, start, properties)
+        return dataclasses.replace(result, key=key)
     except Exception as e:  # noqa: BLE001 - the pass must never fail a graph
         report["action"] = ERROR
         report["reason"] = f"{type(e).__name__}: {e}"
@@ -123,7 +153,6 @@ def decode_properties(raw: dict) -> dict:
       node name -> list of (DataType enum, dims with -1 for unknown, or None
       for an unknown rank).
     """
-    from tensorflow.core.protobuf import config_pb2  # noqa: F401 - registers deps
     from tensorflow.core.grappler.costs import op_performance_data_pb2 as perf
 
     decoded = {}
@@ -180,39 +209,23 @@ def _best_rewrite(graph_def, index: graph.GraphIndex, facts, props,
     """Plans, rewrites and re-analyzes; keeps a rewrite only if it lowers the
     predicted peak (a plan that would raise it is dropped, with the reason).
 
-    For recompute_mode "auto", both the speed- and the memory-centric plan
-    are tried and the one with the lower planned peak wins.
-
     Returns:
       (plan, rewrite result, Analysis of the rewritten graph or None).
     """
-    candidates = [state]
-    if state.policy == "recompute" and state.options.recompute_mode == "auto":
-        candidates = [dataclasses.replace(state, options=dataclasses.replace(
-            state.options, recompute_mode=mode)) for mode in ("speed", "memory")]
-    best = None
-    rejected = []
-    for candidate in candidates:
-        plan = _make_plan(index, facts, candidate)
-        with _timed(report, "rewrite"):
-            result = rewrite.apply_plan(graph_def, plan)
-        planned = None
-        if result.modified:
-            new_index = _validate(result.graph_def, index)
-            if props is not None:
-                with _timed(report, "planned_analysis"):
-                    planned = analysis.analyze(new_index, _with_clones(props, new_index),
-                                               batch=facts.batch)
-            if planned is None or planned.predicted_peak_bytes >= facts.predicted_peak_bytes:
-                rejected.append((plan, planned))
-                continue
-        if best is None or (planned is not None and best[2] is not None
-                            and planned.predicted_peak_bytes < best[2].predicted_peak_bytes):
-            best = (plan, result, planned)
-    if best is not None:
-        return best
-    # Every rewrite would raise (or not lower) the predicted peak: keep the graph.
-    plan, planned = rejected[0]
+    plan = _make_plan(index, facts, state)
+    with _timed(report, "rewrite"):
+        result = rewrite.apply_plan(graph_def, plan)
+    if not result.modified:
+        return plan, result, None
+    new_index = _validate(result.graph_def, index)
+    planned = None
+    if props is not None:
+        with _timed(report, "planned_analysis"):
+            planned = analysis.analyze(new_index, _with_clones(props, new_index),
+                                       batch=facts.batch)
+        if planned.predicted_peak_bytes < facts.predicted_peak_bytes:
+            return plan, result, planned
+    # The rewrite would raise (or not lower) the predicted peak: keep the graph.
     figures = (f"{facts.predicted_peak_bytes} -> {planned.predicted_peak_bytes} bytes"
                if planned is not None else "no planned analysis")
     kept = planner.identity_plan(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import gc
-import hashlib
 import importlib
 import logging
 import os
@@ -36,10 +35,6 @@ _reports: collections.deque = collections.deque(maxlen=config.Options.max_report
 # Per thread: (graph key, report) of the last graph handled, so that the
 # meta-optimizer's second iteration over a graph merges into its report.
 _thread_state = threading.local()
-# Name scopes of nodes that Grappler's own optimizers create or rename.
-_GRAPPLER_SCOPES = ("ConstantFolding/", "ArithmeticOptimizer/", "LayoutOptimizer",
-                    "DependencyOptimizer/", "Remapper/", "ScopedAllocator",
-                    "LoopOptimizer/", "MemoryOptimizer/", "AutoMixedPrecision/")
 _logged_failures: set = set()
 MAX_LOGGED_FAILURES = 1000   # distinct messages remembered for "log once"
 _generation = 0              # bumped by clear_reports()
@@ -140,27 +135,6 @@ def _log_once(key: str, message: str) -> None:
     logger.warning("%s", message)
 
 
-def _graph_key(graph_bytes: bytes, fetch: Sequence[str]) -> bytes:
-    """Identity of "the same graph" across Grappler's two iterations.
-
-    The second iteration sees the graph after other optimizers touched it, so
-    its bytes differ; the names of its computing nodes do not, except for
-    constants and nodes those optimizers generate under their own scopes.
-    A graph they did change structurally gets a second report, which is the
-    honest outcome.
-    """
-    from tensorflow.core.framework import graph_pb2
-
-    g = graph_pb2.GraphDef.FromString(graph_bytes)
-    stable = sorted(n.name for n in g.node
-                    if n.op not in ("Const", "HostConst")
-                    and not n.name.startswith(_GRAPPLER_SCOPES))
-    h = hashlib.blake2b(digest_size=16)
-    for part in list(fetch) + ["|"] + stable:
-        h.update(part.encode("utf-8", "replace") + b"\0")
-    return h.digest()
-
-
 def _record(report: dict, key: Optional[bytes], max_reports: int) -> None:
     """Appends a report, or merges it into this thread's previous report of
     the same graph (Grappler's second iteration over it)."""
@@ -222,11 +196,7 @@ def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
             _log_once(report["reason"],
                       f"sntf: graph pass failed, graph {report['graph']!r} left "
                       f"unchanged: {report['reason']}")
-        try:
-            key = _graph_key(graph_bytes, fetch)
-        except Exception:  # noqa: BLE001 - an unparsable graph has no identity
-            key = None
-        _record(report, key, state.options.max_reports)
+        _record(report, result.key, state.options.max_reports)
         return out
     except BaseException as e:  # noqa: BLE001 - nothing may escape into TensorFlow
         try:
