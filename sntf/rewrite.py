@@ -40,12 +40,14 @@ def apply_plan(graph_def, plan: planner.Plan) -> RewriteResult:
         raise NotImplementedError(
             f"rewrite for action {pending[0].action!r} is not implemented")
     nodes = {node.name: node for node in out.node}
-    for k, recipe in enumerate(plan.recomputes):
-        _apply_recompute(out, nodes, recipe, k)
+    groups = 0   # a running index keeps every clone's name unique
+    for recipe in plan.recomputes:
+        _apply_recompute(out, nodes, recipe, groups)
+        groups += len(recipe.groups)
     return RewriteResult(graph_def=out, modified=bool(plan.recomputes))
 
 
-def _apply_recompute(out, nodes: dict, recipe: planner.Recompute, k: int) -> None:
+def _apply_recompute(out, nodes: dict, recipe: planner.Recompute, first: int) -> None:
     """Clones a recipe's chain once per group and rewires the group's readers."""
     producer, _, port = recipe.tensor.rpartition(":")
     for j, group in enumerate(recipe.groups):
@@ -54,7 +56,7 @@ def _apply_recompute(out, nodes: dict, recipe: planner.Recompute, k: int) -> Non
             original = _node(nodes, name)
             clone = out.node.add()
             clone.CopyFrom(original)
-            clone.name = names.recompute_name(name, _index(k, j))
+            clone.name = names.recompute_name(name, first + j)
             names.mark(clone, names.ROLE_RECOMPUTE)
             del clone.input[:]
             roots_only = True
@@ -73,11 +75,6 @@ def _apply_recompute(out, nodes: dict, recipe: planner.Recompute, k: int) -> Non
             clones[name] = clone.name
         for consumer, slot in group.consumers:
             _set_data_input(_node(nodes, consumer), slot, f"{clones[producer]}:{port}")
-
-
-def _index(recipe: int, group: int) -> int:
-    """A clone index unique per (recipe, group) in this rewrite."""
-    return recipe * 1000 + group
 
 
 def _node(nodes: dict, name: str):
