@@ -1,12 +1,11 @@
 """The plugin shim and the public switch, each scenario in a fresh process."""
 
-import os
 import shutil
 
 import pytest
 
 import sntf
-from sntf import _native, config, plugin
+from sntf import _native, plugin
 
 # A tiny training step used by the subprocess scenarios: returns the loss of
 # a few SGD steps so that results can be compared with and without sntf.

@@ -6,7 +6,6 @@ import os
 import numpy as np
 import pytest
 
-import graphs
 from conftest import WORKERS
 from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder
 from sntf import analysis, config, names, pipeline, planner, rewrite
