@@ -154,14 +154,15 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset()) -> P
                                for c, _, _ in g.consumers[i])}
     backward_steps = [s for s, i in enumerate(facts.schedule)
                       if phases[i] == graph_model.BACKWARD]
-    decisions, recipes = [], []
+    candidates = []       # (buffer, tensor name, Recompute, Decision)
     for producer in facts.schedule:
         if not recomputable(producer) or g.ops[producer] in analysis.ALIAS_OPS:
             continue
         for port in sorted({p for _, _, p in g.consumers[producer]}):
             t = (producer, port)
-            if facts.buffer_of(t) != t:
-                continue          # lives in another tensor's buffer: no saving
+            buffer = facts.buffer_of(t)
+            if buffer is None:
+                continue
             readers = [(c, slot) for c, slot, p in g.consumers[producer]
                        if p == port and phases[c] == graph_model.BACKWARD]
             if not readers:
@@ -170,25 +171,75 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset()) -> P
             if chain is None:
                 continue
             chain = sorted(chain, key=step_of.get)
-            saved = facts.tensor_bytes.get(t, 0)
+            saved = facts.tensor_bytes.get(buffer, 0)
             groups = _groups(g, facts, readers, chain, saved, mode, step_of,
                              backward_steps)
             if not groups:
                 continue
             name = f"{g.names[producer]}:{port}"
-            recipes.append(Recompute(
-                tensor=name, chain=tuple(g.names[i] for i in chain),
-                groups=tuple(groups)))
+            recipe = Recompute(tensor=name, chain=tuple(g.names[i] for i in chain),
+                               groups=tuple(groups))
             seconds = sum(facts.op_seconds[step_of[i]] for i in chain) * len(groups)
-            decisions.append(Decision(
+            decision = Decision(
                 tensor=name, action=RECOMPUTE,
                 reason=(f"cheap {g.ops[producer]} output read by {len(readers)} "
                         f"backward op(s); {len(chain)} op(s) re-run "
                         f"{'per reader' if len(groups) > 1 else 'once'}"),
-                bytes_saved=saved, seconds_added=seconds))
+                bytes_saved=saved, seconds_added=seconds)
+            candidates.append((buffer, t, recipe, decision))
+    recipes, decisions = _whole_buffers(g, facts, candidates, phases)
     note = f"recompute ({mode}): {len(recipes)} tensor(s)"
     return Plan(policy="recompute", decisions=tuple(decisions), notes=(note,),
                 recomputes=tuple(recipes))
+
+
+def _whole_buffers(g, facts, candidates, phases):
+    """Keeps the candidates whose buffer is freed by the plan.
+
+    An op that runs in place (a ReLU after a BatchNorm's add) leaves its
+    output in its input's buffer, so that buffer is what the backward pass
+    keeps alive. It dies early only if every tensor living in it that the
+    backward pass reads is recomputed; recomputing some of them saves
+    nothing, so those are dropped. Each buffer's bytes count once.
+    """
+    from sntf import graph as graph_model
+
+    backward_read = {}
+    for t, buffer in facts.buffers.items():
+        # Backward ops that later run in place in the buffer do not count.
+        if phases[t[0]] == graph_model.FORWARD and any(
+                phases[c] == graph_model.BACKWARD
+               for c, _, p in g.consumers[t[0]] if p == t[1]):
+            backward_read.setdefault(buffer, set()).add(t)
+    # A clone may still read the original of another recomputed tensor (a
+    # ResNet block's output feeds the next block's join); that only moves the
+    # original's death to the clone, earlier in the backward pass, which the
+    # planned analysis accounts for.
+    covered = {}
+    for buffer, t, _, _ in candidates:
+        covered.setdefault(buffer, set()).add(t)
+    candidates = [c for c in candidates
+                  if not backward_read.get(c[0], set()) - covered[c[0]]
+                  and c[0] not in _chain_input_buffers(g, facts, c[2])]
+    recipes, decisions, counted = [], [], set()
+    for buffer, t, recipe, decision in candidates:
+        if buffer in counted:
+            decision = dataclasses.replace(
+                decision, bytes_saved=0,
+                reason=decision.reason + "; shares its buffer with another "
+                "recomputed tensor")
+        counted.add(buffer)
+        recipes.append(recipe)
+        decisions.append(decision)
+    return recipes, decisions
+
+
+def _chain_input_buffers(g, facts, recipe) -> set:
+    """Buffers a recipe's clones read: a chain rooted in its own tensor's
+    buffer (a ReLU computed in place over a kept MatMul output) frees nothing."""
+    members = {g.node(name) for name in recipe.chain}
+    return {facts.buffer_of((p, port)) for i in members
+            for p, port in g.data_inputs[i] if p not in members}
 
 
 def _chain(g, producer: int, recomputable, kept: set) -> Optional[list]:

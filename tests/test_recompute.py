@@ -74,6 +74,58 @@ def test_plan_recomputes_the_pooled_tensor_from_the_kept_relu():
     assert decision.action == planner.RECOMPUTE and decision.bytes_saved == 1024
 
 
+def scaled_step():
+    """h = x W; m = h * s (a BatchNorm-style scale); r = relu(m); loss = sum(r).
+
+    Relu runs in place over m, so r lives in m's buffer. The backward pass
+    reads h (for ds) and r (ReluGrad); r is rebuilt from h by re-running m
+    and r, which frees m's buffer between forward and backward."""
+    b = GraphBuilder()
+    (b.arg("x").arg("w", DT_RESOURCE).read("w_read", "w")
+     .arg("v", DT_RESOURCE).read("s", "v")
+     .op("MatMul", "h", ["x", "w_read"], T=DT_FLOAT)
+     .op("Mul", "m", ["h", "s"], T=DT_FLOAT)
+     .op("Relu", "r", ["m"], T=DT_FLOAT)
+     .const("axes", [0], DT_INT32)
+     .op("Sum", "loss", ["r", "axes"], T=DT_FLOAT)
+     .const("grad/ones", 1.0)
+     .op("Mul", "grad/seed", ["grad/ones", "loss"], T=DT_FLOAT)
+     .op("ReluGrad", "grad/relu", ["grad/seed", "r"], T=DT_FLOAT)
+     .op("Mul", "grad/ds", ["grad/relu", "h"], T=DT_FLOAT)
+     .op("Mul", "grad/m", ["grad/relu", "s"], T=DT_FLOAT)
+     .op("MatMul", "grad/w", ["x", "grad/m"], T=DT_FLOAT, transpose_a=True)
+     .const("lr", 0.1)
+     .op("Mul", "sgd/mul", ["lr", "grad/w"], T=DT_FLOAT)
+     .op("AssignSubVariableOp", "sgd/update", ["w", "sgd/mul"], dtype=DT_FLOAT)
+     .op("Sum", "grad/s", ["grad/ds", "axes"], T=DT_FLOAT)
+     .op("AssignSubVariableOp", "sgd/update_s", ["v", "grad/s"], dtype=DT_FLOAT)
+     .retval("ret", "loss"))
+    return b.build()
+
+
+def test_a_tensor_computed_in_place_is_recomputed_as_its_buffer():
+    g = scaled_step()
+    idx = G.build_index(g, ["ret"])
+    props = _props(g)
+    props.update(s=[(DT_FLOAT, ())], v=[(DT_RESOURCE, ())])
+    props["grad/s"] = [(DT_FLOAT, ())]
+    props["sgd/update_s"] = []
+    facts = analysis.analyze(idx, props)
+    r, m = (idx.node("r"), 0), (idx.node("m"), 0)
+    assert facts.buffer_of(r) == m          # the Relu ran in place
+    plan = planner.plan_recompute(idx, facts, "speed", frozenset(idx.fetch))
+    assert [x.tensor for x in plan.recomputes] == ["r:0"]
+    assert plan.recomputes[0].chain == ("m", "r")
+    assert plan.decisions[0].bytes_saved == facts.tensor_bytes[m]
+    # The rewritten graph no longer keeps m's buffer into the backward pass.
+    out = rewrite.apply_plan(g, plan).graph_def
+    new_idx = G.build_index(out, ["ret"])
+    new_facts = analysis.analyze(new_idx, pipeline._with_clones(props, new_idx))
+    backward_start = new_facts.timeline.backward_start
+    assert facts.intervals[m][1] > facts.timeline.backward_start
+    assert new_facts.intervals[(new_idx.node("m"), 0)][1] < backward_start
+
+
 def test_rewrite_clones_holds_back_and_rewires():
     g, idx, plan = plan_for("memory")
     out = rewrite.apply_plan(g, plan).graph_def
