@@ -39,8 +39,9 @@ ALIAS_OPS = frozenset({
     "PreventGradient", "Snapshot", "EnsureShape", "CheckNumerics", "_Retval",
     "ReadVariableOp", "Bitcast",
 })
-# Ops that produce no tensor memory the step pays for.
-FREE_OPS = frozenset({"_Arg", "NoOp", "VarHandleOp", "Placeholder"})
+# Ops that produce no tensor memory the step pays for. SnSwapOut's output is
+# parked in sntf's host pool, outside the device allocator.
+FREE_OPS = frozenset({"_Arg", "NoOp", "VarHandleOp", "Placeholder", "SnSwapOut"})
 # Element-wise kernels that write into an input buffer they read last.
 FORWARDING_OPS = frozenset({
     "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid", "Softplus",

@@ -17,10 +17,8 @@ from typing import Any, Mapping, Optional, Union
 # Policies and the capability (issue) that implements each one. A policy that
 # is not implemented yet raises NotImplementedError instead of doing nothing.
 POLICIES = ("off", "recompute", "swap", "swap+recompute", "auto")
-IMPLEMENTED_POLICIES = frozenset({"off", "recompute"})
+IMPLEMENTED_POLICIES = frozenset({"off", "recompute", "swap", "swap+recompute"})
 POLICY_CAPABILITY = {
-    "swap": "the unified tensor pool (issue #5)",
-    "swap+recompute": "the unified tensor pool (issue #5)",
     "auto": "the budget-driven planner (issue #6)",
 }
 
@@ -71,15 +69,16 @@ def _budget_error(value: Any, why: str) -> ValueError:
         f"sntf: invalid budget {value!r} ({why}); accepted forms: {BUDGET_FORMS}")
 
 
-def parse_size(value: Any, what: str = "size") -> int:
+def parse_size(value: Any, what: str = "size", allow_zero: bool = False) -> int:
     """Parses a byte count given as an int or a string with an optional unit.
 
     Args:
       value: e.g. 1048576, "1048576", "12GB", "512MiB".
       what: the argument's name, used in error messages.
+      allow_zero: accept 0 (for thresholds).
 
     Returns:
-      The number of bytes, a positive int.
+      The number of bytes, a positive int (or 0 when allowed).
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError(f"sntf: invalid {what} {value!r}: expected a positive "
@@ -99,8 +98,9 @@ def parse_size(value: Any, what: str = "size") -> int:
             raise ValueError(f"sntf: invalid {what} {value!r}: the number is too "
                              "large to be a byte count")
         n = int(number)
-    if n <= 0:
-        raise ValueError(f"sntf: invalid {what} {value!r}: it must be positive")
+    if n < 0 or (n == 0 and not allow_zero):
+        raise ValueError(f"sntf: invalid {what} {value!r}: it must be "
+                         f"{'zero or more' if allow_zero else 'positive'}")
     if n >= 2**63:
         raise ValueError(f"sntf: invalid {what} {value!r}: at most 2**63-1 bytes")
     return n
@@ -198,6 +198,13 @@ class Options:
     # reader), "memory" (once per reader) or "auto" (speed unless that would
     # raise the predicted peak).
     recompute_mode: str = "auto"
+    # Swapping: tensors smaller than this stay on the device (the transfer's
+    # fixed cost outweighs the bytes).
+    swap_min_bytes: int = 1 << 20
+    # Host link bandwidth (bytes/s) that sets the prefetch distance: None
+    # means PCIe 4 x16 (~25 GB/s sustained) on a GPU and a measured memcpy
+    # rate on CPU.
+    link_bandwidth: Optional[float] = None
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
@@ -232,6 +239,15 @@ def parse_options(options: Mapping[str, Any]) -> Options:
     if mode not in ("auto", "speed", "memory"):
         raise ValueError(f"sntf: recompute_mode must be 'auto', 'speed' or "
                          f"'memory', got {mode!r}")
+    if "swap_min_bytes" in values:
+        values["swap_min_bytes"] = parse_size(values["swap_min_bytes"], "swap_min_bytes",
+                                              allow_zero=True)
+    bandwidth = values.get("link_bandwidth")
+    if bandwidth is not None and (isinstance(bandwidth, bool)
+                                  or not isinstance(bandwidth, (int, float))
+                                  or not math.isfinite(bandwidth) or bandwidth <= 0):
+        raise ValueError(f"sntf: link_bandwidth must be a positive number of "
+                         f"bytes per second (e.g. 25e9) or None, got {bandwidth!r}")
     reports = values.get("max_reports", Options.max_reports)
     if isinstance(reports, bool) or not isinstance(reports, int) or reports <= 0:
         raise ValueError(f"sntf: max_reports must be a positive int, got {reports!r}")

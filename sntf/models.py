@@ -86,8 +86,11 @@ def make_data(family: str, n: int, seed: int = 0):
     return x, y
 
 
+REMAT_OPTIONS = (None, "remat_scope", "recompute_grad")
+
+
 def build(family: str, depth: int | None = None, *, learning_rate: float = 1e-3,
-          metrics=None, jit_compile="auto", **kw):
+          metrics=None, jit_compile="auto", remat: str | None = None, **kw):
     """Builds and compiles one model of `family`.
 
     Args:
@@ -98,6 +101,11 @@ def build(family: str, depth: int | None = None, *, learning_rate: float = 1e-3,
       metrics: passed to compile (default: none, so the training graph holds
         only the model, its loss and the optimizer).
       jit_compile: passed to compile.
+      remat: the user's own alternatives to sntf, which change the model
+        code: None (plain model), "remat_scope" (layers built inside
+        keras.RematScope(mode="full")) or "recompute_grad" (each block of
+        vgg/resnet/densenet wrapped in tf.recompute_grad: a VGG stage, a
+        residual block, a dense layer).
       **kw: family-specific size options: mlp(width=1024),
         vgg(channels=(32, 64, 128)), resnet(channels=(16, 32, 64)),
         densenet(growth=12, stem=24), transformer(dim=128, heads=4, ff=256,
@@ -108,7 +116,7 @@ def build(family: str, depth: int | None = None, *, learning_rate: float = 1e-3,
       logits, 10 classes).
 
     Raises:
-      ValueError: unknown family or a depth < 1.
+      ValueError: unknown family, a depth < 1 or an unknown remat option.
       TypeError: an option the family does not have.
     """
     _check(family)
@@ -116,13 +124,28 @@ def build(family: str, depth: int | None = None, *, learning_rate: float = 1e-3,
         depth = _DEFAULT_DEPTH[family]
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(f"depth must be a positive int, got {depth!r}")
+    if remat not in REMAT_OPTIONS:
+        raise ValueError(f"unknown remat option {remat!r}; expected one of {REMAT_OPTIONS}")
+    if remat == "recompute_grad" and family not in _BLOCK_FAMILIES:
+        raise ValueError(f"remat='recompute_grad' is built for {_BLOCK_FAMILIES}, "
+                         f"not {family!r}")
+    import contextlib
+
     import keras
 
     builder = {"mlp": _mlp, "vgg": _vgg, "resnet": _resnet, "densenet": _densenet,
                "transformer": _transformer, "mobilenet": _mobilenet}[family]
     inputs = keras.Input(input_shape(family),
                          dtype="int32" if family == "transformer" else "float32")
-    outputs = builder(keras, inputs, depth, **kw)
+    global _WRAP_BLOCKS
+    _WRAP_BLOCKS = remat == "recompute_grad"
+    scope = (keras.RematScope(mode="full") if remat == "remat_scope"
+             else contextlib.nullcontext())
+    try:
+        with scope:
+            outputs = builder(keras, inputs, depth, **kw)
+    finally:
+        _WRAP_BLOCKS = False
     # Keras maps a functional graph recursively (a few frames per layer):
     # a 1000-layer ResNet needs more than Python's default limit of 1000.
     limit = sys.getrecursionlimit()
@@ -135,6 +158,37 @@ def build(family: str, depth: int | None = None, *, learning_rate: float = 1e-3,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=metrics, jit_compile=jit_compile)
     return model
+
+
+_BLOCK_FAMILIES = ("vgg", "resnet", "densenet")
+_WRAP_BLOCKS = False      # set by build(remat="recompute_grad") while building
+
+
+def _block(keras, x, body):
+    """Applies body(x); under remat="recompute_grad" as one sub-model whose
+    call runs inside tf.recompute_grad (what a user writes by hand)."""
+    if not _WRAP_BLOCKS:
+        return body(x)
+    inner_input = keras.Input(x.shape[1:], dtype=x.dtype)
+    block = keras.Model(inner_input, body(inner_input))
+    return _recompute_grad_layer(keras)(block)(x)
+
+
+def _recompute_grad_layer(keras):
+    class RecomputeGrad(keras.layers.Layer):
+        """Runs a block under tf.recompute_grad: its activations are
+        recomputed in the backward pass instead of kept."""
+
+        def __init__(self, block, **kwargs):
+            super().__init__(**kwargs)
+            self.block = block
+
+        def call(self, x, training=None):
+            import tensorflow as tf
+
+            return tf.recompute_grad(lambda y: self.block(y, training=training))(x)
+
+    return RecomputeGrad
 
 
 def _mlp(keras, x, depth, width=1024):
@@ -155,9 +209,11 @@ def _conv_bn_relu(keras, x, filters, kernel=3, strides=1):
 def _vgg(keras, x, depth, channels=(32, 64, 128)):
     layers = keras.layers
     for c in channels:
-        for _ in range(depth):
-            x = _conv_bn_relu(keras, x, c)
-        x = layers.MaxPooling2D()(x)
+        def stage(x, c=c):
+            for _ in range(depth):
+                x = _conv_bn_relu(keras, x, c)
+            return layers.MaxPooling2D()(x)
+        x = _block(keras, x, stage)
     x = layers.Flatten()(x)
     x = layers.Dense(128, activation="relu")(x)
     return layers.Dense(NUM_CLASSES)(x)
@@ -169,15 +225,19 @@ def _resnet(keras, x, depth, channels=(16, 32, 64)):
     for stage, c in enumerate(channels):
         for block in range(depth):
             strides = 2 if stage > 0 and block == 0 else 1
-            shortcut = x
-            y = _conv_bn_relu(keras, x, c, strides=strides)
-            y = layers.Conv2D(c, 3, padding="same", use_bias=False)(y)
-            y = layers.BatchNormalization()(y)
-            if strides != 1 or shortcut.shape[-1] != c:
-                shortcut = layers.Conv2D(c, 1, strides=strides, use_bias=False)(shortcut)
-                shortcut = layers.BatchNormalization()(shortcut)
-            x = layers.Add()([y, shortcut])
-            x = layers.Activation("relu")(x)
+
+            def residual(x, c=c, strides=strides):
+                shortcut = x
+                y = _conv_bn_relu(keras, x, c, strides=strides)
+                y = layers.Conv2D(c, 3, padding="same", use_bias=False)(y)
+                y = layers.BatchNormalization()(y)
+                if strides != 1 or shortcut.shape[-1] != c:
+                    shortcut = layers.Conv2D(c, 1, strides=strides,
+                                             use_bias=False)(shortcut)
+                    shortcut = layers.BatchNormalization()(shortcut)
+                x = layers.Add()([y, shortcut])
+                return layers.Activation("relu")(x)
+            x = _block(keras, x, residual)
     x = layers.GlobalAveragePooling2D()(x)
     return layers.Dense(NUM_CLASSES)(x)
 
@@ -187,10 +247,12 @@ def _densenet(keras, x, depth, growth=12, stem=24):
     x = layers.Conv2D(stem, 3, padding="same", use_bias=False)(x)
     for block in range(3):
         for _ in range(depth):
-            y = layers.BatchNormalization()(x)
-            y = layers.Activation("relu")(y)
-            y = layers.Conv2D(growth, 3, padding="same", use_bias=False)(y)
-            x = layers.Concatenate()([x, y])
+            def dense_layer(x):
+                y = layers.BatchNormalization()(x)
+                y = layers.Activation("relu")(y)
+                y = layers.Conv2D(growth, 3, padding="same", use_bias=False)(y)
+                return layers.Concatenate()([x, y])
+            x = _block(keras, x, dense_layer)
         if block < 2:
             x = layers.BatchNormalization()(x)
             x = layers.Activation("relu")(x)

@@ -57,3 +57,16 @@ def recompute_source(name: str) -> str:
         return ""
     _, _, rest = name[len(prefix):].partition("/")
     return rest
+
+
+def swap_source(name: str) -> tuple[str, int] | None:
+    """(node, port) a SnSwapOut/SnSwapIn node serves, or None for other names."""
+    for kind in ("swap_out", "swap_in"):
+        prefix = f"{SCOPE}/{kind}/"
+        if name.startswith(prefix):
+            parts = name[len(prefix):].split("/")
+            if kind == "swap_in":
+                parts = parts[:-1]          # the swap-in's index
+            if len(parts) >= 2 and parts[-1].isdigit():
+                return "/".join(parts[:-1]), int(parts[-1])
+    return None

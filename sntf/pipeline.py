@@ -193,45 +193,103 @@ def _analyze(index: graph.GraphIndex, state: config.State,
     return facts, props
 
 
-def _make_plan(index: graph.GraphIndex, facts, state: config.State) -> planner.Plan:
-    """The policy's plan; rewriting policies need the analysis."""
-    if state.policy == "recompute":
-        if facts is None:
-            return planner.identity_plan("recompute", "no analysis: nothing recomputed")
-        protected = frozenset(index.fetch) | frozenset(index.preserve)
+def _link_bandwidth(state: config.State, index: graph.GraphIndex) -> float:
+    """Bytes per second between device and host pool: the option, else PCIe
+    4 x16 on a GPU graph, else the measured memcpy rate of this machine."""
+    if state.options.link_bandwidth is not None:
+        return float(state.options.link_bandwidth)
+    if any("GPU" in d.upper() for d in index.devices if d):
+        return PCIE4_X16_BYTES_PER_SECOND
+    return memcpy_bandwidth()
+
+
+PCIE4_X16_BYTES_PER_SECOND = 25e9
+_memcpy_rate: list = []
+
+
+def memcpy_bandwidth() -> float:
+    """Host memcpy rate (bytes/s), measured once per process on 32 MiB."""
+    if not _memcpy_rate:
+        import numpy as np
+
+        src = np.ones(32 << 20, dtype=np.uint8)
+        dst = np.empty_like(src)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            np.copyto(dst, src)
+            best = min(best, time.perf_counter() - start)
+        _memcpy_rate.append(src.nbytes / max(best, 1e-6))
+    return _memcpy_rate[0]
+
+
+def _stage_plan(kind: str, index: graph.GraphIndex, facts, props,
+                state: config.State) -> planner.Plan:
+    """One planning stage ("recompute" or "swap") on an analyzed graph."""
+    protected = frozenset(index.fetch) | frozenset(index.preserve)
+    if kind == "recompute":
         return planner.plan_recompute(index, facts, state.options.recompute_mode,
                                       protected)
-    return planner.make_plan(state.policy)
+    dtypes = {(index.node(name), port): out[0]
+              for name, outs in props.items() if name in index.index
+              for port, out in enumerate(outs)}
+    return planner.plan_swap(index, facts, dtypes, state.options.swap_min_bytes,
+                             _link_bandwidth(state, index), protected)
+
+
+STAGES = {"recompute": ("recompute",), "swap": ("swap",),
+          "swap+recompute": ("recompute", "swap")}
 
 
 def _best_rewrite(graph_def, index: graph.GraphIndex, facts, props,
                   state: config.State, report: dict):
-    """Plans, rewrites and re-analyzes; keeps a rewrite only if it lowers the
-    predicted peak (a plan that would raise it is dropped, with the reason).
+    """Plans, rewrites and re-analyzes, stage by stage (recompute, then swap
+    over the recomputed graph); keeps a stage only if it lowers the predicted
+    peak (a stage that would not is dropped, with the reason).
 
     Returns:
       (plan, rewrite result, Analysis of the rewritten graph or None).
     """
-    plan = _make_plan(index, facts, state)
-    with _timed(report, "rewrite"):
-        result = rewrite.apply_plan(graph_def, plan)
-    if not result.modified:
-        return plan, result, None
-    new_index = _validate(result.graph_def, index)
-    planned = None
-    if props is not None:
-        with _timed(report, "planned_analysis"):
-            planned = analysis.analyze(new_index, _with_clones(props, new_index),
+    stages = STAGES.get(state.policy, ())
+    if not stages:
+        plan = planner.make_plan(state.policy)
+        with _timed(report, "rewrite"):
+            return plan, rewrite.apply_plan(graph_def, plan), None
+    if facts is None:
+        plan = planner.identity_plan(state.policy, "no analysis: graph left unchanged")
+        return plan, rewrite.apply_plan(graph_def, plan), None
+    current, current_index, current_facts = graph_def, index, facts
+    decisions, notes, recomputes, swaps = [], [], (), ()
+    modified = False
+    for kind in stages:
+        with _timed(report, f"plan_{kind}"):
+            plan = _stage_plan(kind, current_index, current_facts,
+                               _with_generated(props, current_index), state)
+        with _timed(report, f"rewrite_{kind}"):
+            result = rewrite.apply_plan(current, plan)
+        if not result.modified:
+            notes.extend(plan.notes)
+            continue
+        new_index = _validate(result.graph_def, index)
+        with _timed(report, f"planned_analysis_{kind}"):
+            planned = analysis.analyze(new_index, _with_generated(props, new_index),
                                        batch=facts.batch)
-        if planned.predicted_peak_bytes < facts.predicted_peak_bytes:
-            return plan, result, planned
-    # The rewrite would raise (or not lower) the predicted peak: keep the graph.
-    figures = (f"{facts.predicted_peak_bytes} -> {planned.predicted_peak_bytes} bytes"
-               if planned is not None else "no planned analysis")
-    kept = planner.identity_plan(
-        plan.policy, f"{len(plan.recomputes)} recomputation(s) planned but not "
-        f"applied: the predicted peak would not fall ({figures})")
-    return kept, rewrite.apply_plan(graph_def, kept), None
+        if planned.predicted_peak_bytes >= current_facts.predicted_peak_bytes:
+            count = len(plan.recomputes) + len(plan.swaps)
+            notes.append(f"{kind}: {count} tensor(s) planned but not applied: the "
+                         f"predicted peak would not fall "
+                         f"({current_facts.predicted_peak_bytes} -> "
+                         f"{planned.predicted_peak_bytes} bytes)")
+            continue
+        current, current_index, current_facts = result.graph_def, new_index, planned
+        decisions.extend(plan.decisions)
+        notes.extend(plan.notes)
+        recomputes, swaps = recomputes + plan.recomputes, swaps + plan.swaps
+        modified = True
+    plan = planner.Plan(policy=state.policy, decisions=tuple(decisions),
+                        notes=tuple(notes), recomputes=recomputes, swaps=swaps)
+    final = rewrite.RewriteResult(graph_def=current, modified=modified)
+    return plan, final, (current_facts if modified else None)
 
 
 def _validate(graph_def, before: graph.GraphIndex) -> graph.GraphIndex:
@@ -248,14 +306,23 @@ def _validate(graph_def, before: graph.GraphIndex) -> graph.GraphIndex:
     return index
 
 
-def _with_clones(props: dict, index: graph.GraphIndex) -> dict:
-    """Static properties extended to recomputed clones (same as their source)."""
+def _with_generated(props: dict, index: graph.GraphIndex) -> dict:
+    """Static properties extended to sntf's nodes: a recomputed clone has its
+    source's outputs, a swap node the one tensor it moves."""
     extended = dict(props)
     for name in index.names:
-        if name not in extended:
-            source = names.recompute_source(name)
-            if source in props:
-                extended[name] = props[source]
+        if name in extended:
+            continue
+        source = names.recompute_source(name)
+        if source in props:
+            extended[name] = props[source]
+            continue
+        swapped = names.swap_source(name)
+        if swapped is not None:
+            node, port = swapped
+            node = names.recompute_source(node) or node
+            if node in props and port < len(props[node]):
+                extended[name] = [props[node][port]]
     return extended
 
 

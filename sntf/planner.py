@@ -43,6 +43,7 @@ class Plan:
     lower_bound_bytes: Optional[int] = None
     notes: tuple[str, ...] = ()
     recomputes: tuple = ()           # Recompute recipes, one per recomputed tensor
+    swaps: tuple = ()                # Swap recipes, one per swapped tensor
 
     def tensors(self, action: str) -> list[str]:
         """Tensors given `action`, in decision order."""
@@ -202,15 +203,7 @@ def _whole_buffers(g, facts, candidates, phases):
     backward pass reads is recomputed; recomputing some of them saves
     nothing, so those are dropped. Each buffer's bytes count once.
     """
-    from sntf import graph as graph_model
-
-    backward_read = {}
-    for t, buffer in facts.buffers.items():
-        # Backward ops that later run in place in the buffer do not count.
-        if phases[t[0]] == graph_model.FORWARD and any(
-                phases[c] == graph_model.BACKWARD
-               for c, _, p in g.consumers[t[0]] if p == t[1]):
-            backward_read.setdefault(buffer, set()).add(t)
+    backward_read = _backward_read_by_buffer(g, facts)
     # A clone may still read the original of another recomputed tensor (a
     # ResNet block's output feeds the next block's join); that only moves the
     # original's death to the clone, earlier in the backward pass, which the
@@ -283,3 +276,170 @@ def _groups(g, facts, readers, chain, saved, mode, step_of, backward_steps) -> l
             consumers=tuple((g.names[c], slot) for c, slot in batch),
             trigger=g.names[trigger]))
     return groups
+
+
+# ---------------------------------------------------------------- swap
+# Dtypes SnSwapOut/SnSwapIn are registered for (DataType enum values): plain
+# bytes only; strings, resources and variants own heap objects.
+SWAP_DTYPES = frozenset({1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16,
+                         17, 18, 19, 22, 23})
+# A swap-in serves the backward readers that run within this many transfer
+# times of the group's first reader; a later reader gets its own swap-in, so
+# the tensor does not sit on the device between distant readers.
+SWAP_WINDOW_TRANSFERS = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapGroup:
+    """Backward readers served by one SnSwapIn, and the node that starts it."""
+
+    consumers: tuple[tuple[str, int], ...]   # (node name, data input slot)
+    trigger: str                             # the swap-in waits for this node
+
+
+@dataclasses.dataclass(frozen=True)
+class Swap:
+    """How to park one forward tensor in the host pool until the backward pass."""
+
+    tensor: str                      # "node:port"
+    dtype: int                       # DataType enum (the ops' T attr)
+    groups: tuple[SwapGroup, ...]
+
+
+def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
+              protected: frozenset = frozenset()) -> Plan:
+    """Superneurons' unified tensor pool: offload, then prefetch.
+
+    A forward tensor of at least `min_bytes` that the backward pass reads is
+    copied to the host pool by SnSwapOut (the device copy then dies after its
+    last forward reader) and brought back by SnSwapIn before its first
+    backward reader. The swap-in is released by a control edge from the
+    backward op a prefetch distance earlier: far enough back that the
+    estimated compute of the ops in between covers the transfer at
+    `bandwidth`.
+
+    Args:
+      g: the graph index (sntf.graph.GraphIndex).
+      facts: the analysis of g (sntf.analysis.Analysis).
+      dtypes: (node, port) -> DataType enum of each tensor.
+      min_bytes: smaller tensors are never swapped.
+      bandwidth: host link bandwidth in bytes per second.
+      protected: node indices that must stay as they are (fetch, preserve).
+
+    Returns:
+      A Plan with one SWAP decision and one Swap recipe per tensor.
+    """
+    from sntf import analysis
+    from sntf import graph as graph_model
+
+    if graph_model.control_flow_ops(g):
+        return identity_plan("swap", "control flow present: nothing swapped")
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth!r}")
+    phases = facts.phases
+    step_of = {node: s for s, node in enumerate(facts.schedule)}
+    backward_steps = [s for s, i in enumerate(facts.schedule)
+                      if phases[i] == graph_model.BACKWARD]
+    backward_read = _backward_read_by_buffer(g, facts)
+    decisions, recipes = [], []
+    for producer in facts.schedule:
+        if (phases[producer] != graph_model.FORWARD or producer in protected
+                or g.ops[producer] in analysis.ALIAS_OPS
+                or g.ops[producer] in analysis.FREE_OPS
+                or g.ops[producer] in analysis.PERSISTENT_OPS
+                or graph_model.is_update_op(g.ops[producer])):
+            continue
+        for port in sorted({p for _, _, p in g.consumers[producer]}):
+            t = (producer, port)
+            size = facts.tensor_bytes.get(t, 0)
+            if (facts.buffer_of(t) != t or size < max(min_bytes, 1)
+                    or dtypes.get(t) not in SWAP_DTYPES
+                    or backward_read.get(t, set()) != {t}):
+                continue
+            readers = sorted(((c, slot) for c, slot, p in g.consumers[producer]
+                              if p == port and phases[c] == graph_model.BACKWARD),
+                             key=lambda r: step_of[r[0]])
+            transfer = size / bandwidth
+            groups = _swap_groups(g, facts, readers, transfer, step_of, backward_steps)
+            if not groups:
+                continue
+            name = f"{g.names[producer]}:{port}"
+            recipes.append(Swap(tensor=name, dtype=dtypes[t], groups=tuple(groups)))
+            decisions.append(Decision(
+                tensor=name, action=SWAP,
+                reason=(f"{g.ops[producer]} output of {size} bytes read by "
+                        f"{len(readers)} backward op(s); {len(groups)} swap-in(s), "
+                        f"prefetched {transfer * 1e3:.3f} ms of transfer ahead"),
+                bytes_saved=size,
+                seconds_added=_exposed_transfer(facts, groups, transfer, g, step_of)))
+    note = f"swap: {len(recipes)} tensor(s) of at least {min_bytes} bytes"
+    return Plan(policy="swap", decisions=tuple(decisions), notes=(note,),
+                swaps=tuple(recipes))
+
+
+def _backward_read_by_buffer(g, facts) -> dict:
+    """Buffer -> the forward tensors living in it that the backward pass reads."""
+    from sntf import graph as graph_model
+
+    phases = facts.phases
+    result = {}
+    for t, buffer in facts.buffers.items():
+        if phases[t[0]] == graph_model.FORWARD and any(
+                phases[c] == graph_model.BACKWARD
+                for c, _, p in g.consumers[t[0]] if p == t[1]):
+            result.setdefault(buffer, set()).add(t)
+    return result
+
+
+def _swap_groups(g, facts, readers, transfer, step_of, backward_steps) -> list:
+    """Splits readers into swap-in windows and picks each one's prefetch trigger."""
+    groups, current = [], []
+    window = SWAP_WINDOW_TRANSFERS * transfer
+    for reader in readers:
+        if current and _seconds_between(facts, step_of[current[0][0]],
+                                        step_of[reader[0]]) > window:
+            groups.append(current)
+            current = []
+        current.append(reader)
+    if current:
+        groups.append(current)
+    result = []
+    for batch in groups:
+        trigger = _prefetch_trigger(facts, step_of[batch[0][0]], transfer, backward_steps)
+        if trigger is None:
+            return []
+        result.append(SwapGroup(consumers=tuple((g.names[c], slot) for c, slot in batch),
+                                trigger=g.names[trigger]))
+    return result
+
+
+def _seconds_between(facts, first: int, last: int) -> float:
+    return sum(facts.op_seconds[first:last])
+
+
+def _prefetch_trigger(facts, reader_step: int, transfer: float, backward_steps):
+    """The backward node far enough before `reader_step` to hide `transfer`:
+    walking back from the reader, the first whose estimated compute up to the
+    reader covers the transfer (or the first backward node)."""
+    k = bisect.bisect_left(backward_steps, reader_step)
+    if k == 0:
+        return None
+    covered = 0.0
+    for j in range(k - 1, -1, -1):
+        step = backward_steps[j]
+        covered += facts.op_seconds[step]
+        if covered >= transfer or j == 0:
+            return facts.schedule[step]
+    return None
+
+
+def _exposed_transfer(facts, groups, transfer, g, step_of) -> float:
+    """Predicted extra time: transfer not hidden behind the ops between each
+    swap-in's trigger and its first reader (the swap-out overlaps the
+    forward pass and is not counted)."""
+    exposed = 0.0
+    for group in groups:
+        start = step_of[g.node(group.trigger)]
+        end = step_of[g.node(group.consumers[0][0])]
+        exposed += max(0.0, transfer - _seconds_between(facts, start, end))
+    return exposed

@@ -30,21 +30,52 @@ def apply_plan(graph_def, plan: planner.Plan) -> RewriteResult:
       A RewriteResult holding a new GraphDef.
 
     Raises:
-      NotImplementedError: for actions whose rewrite does not exist yet.
-      ValueError: a recipe names a node the graph does not have.
+      ValueError: a recipe names a node the graph does not have, or a
+        decision has no recipe.
     """
     out = type(graph_def)()
     out.CopyFrom(graph_def)
-    pending = [d for d in plan.decisions if d.action not in (planner.KEEP, planner.RECOMPUTE)]
-    if pending:
-        raise NotImplementedError(
-            f"rewrite for action {pending[0].action!r} is not implemented")
+    recipes = {planner.SWAP: {r.tensor for r in plan.swaps},
+               planner.RECOMPUTE: {r.tensor for r in plan.recomputes}}
+    for d in plan.decisions:
+        if d.action != planner.KEEP and d.tensor not in recipes[d.action]:
+            raise ValueError(f"plan decides {d.action} for {d.tensor} but holds "
+                             "no recipe for it")
     nodes = {node.name: node for node in out.node}
     groups = 0   # a running index keeps every clone's name unique
     for recipe in plan.recomputes:
         _apply_recompute(out, nodes, recipe, groups)
         groups += len(recipe.groups)
-    return RewriteResult(graph_def=out, modified=bool(plan.recomputes))
+    for recipe in plan.swaps:
+        _apply_swap(out, nodes, recipe)
+    return RewriteResult(graph_def=out, modified=bool(plan.recomputes or plan.swaps))
+
+
+def _apply_swap(out, nodes: dict, recipe: planner.Swap) -> None:
+    """Adds SnSwapOut after the producer and one SnSwapIn per group, each
+    released by its prefetch trigger, and rewires the group's readers."""
+    producer, _, port_text = recipe.tensor.rpartition(":")
+    port = int(port_text)
+    source = _node(nodes, producer)
+    swap_out = _new_node(out, names.swap_out_name(producer, port), names.SWAP_OUT_OP,
+                         [recipe.tensor if port else producer], source.device,
+                         recipe.dtype, names.ROLE_SWAP_OUT)
+    for j, group in enumerate(recipe.groups):
+        _node(nodes, group.trigger)
+        swap_in = _new_node(out, names.swap_in_name(producer, port, j), names.SWAP_IN_OP,
+                            [swap_out.name, "^" + group.trigger], source.device,
+                            recipe.dtype, names.ROLE_SWAP_IN)
+        for consumer, slot in group.consumers:
+            _set_data_input(_node(nodes, consumer), slot, swap_in.name)
+
+
+def _new_node(out, name: str, op: str, inputs: list, device: str, dtype: int, role: str):
+    node = out.node.add()
+    node.name, node.op, node.device = name, op, device
+    node.input.extend(inputs)
+    node.attr["T"].type = dtype
+    names.mark(node, role)
+    return node
 
 
 def _apply_recompute(out, nodes: dict, recipe: planner.Recompute, first: int) -> None:

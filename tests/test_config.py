@@ -185,8 +185,6 @@ def test_require_implemented_off():
 
 
 @pytest.mark.parametrize("policy, capability", [
-    ("swap", "issue #5"),
-    ("swap+recompute", "issue #5"),
     ("auto", "issue #6"),
 ])
 def test_require_implemented_refuses(policy, capability):
@@ -196,7 +194,8 @@ def test_require_implemented_refuses(policy, capability):
     assert f"policy {policy!r} needs" in message
     assert capability in message
     assert config.POLICY_CAPABILITY[policy] in message
-    assert message.endswith("available now: 'off', 'recompute'")
+    assert message.endswith(
+        "available now: 'off', 'recompute', 'swap', 'swap+recompute'")
 
 
 def test_every_policy_is_implemented_or_has_a_capability():
@@ -219,7 +218,8 @@ def test_parse_options_defaults():
 def test_option_names():
     assert config.OPTION_NAMES == ("identity_rewrite", "batch_size",
                                    "host_pool_limit", "max_reports", "keep_graphs",
-                                   "recompute_mode")
+                                   "recompute_mode", "swap_min_bytes",
+                                   "link_bandwidth")
 
 
 def test_parse_options_values():
@@ -238,7 +238,7 @@ def test_parse_options_unknown_key():
     assert str(excinfo.value) == (
         "sntf.enable() got unknown option(s) ['alpha', 'zeta']; accepted "
         "options: identity_rewrite, batch_size, host_pool_limit, max_reports, "
-        "keep_graphs, recompute_mode")
+        "keep_graphs, recompute_mode, swap_min_bytes, link_bandwidth")
 
 
 @pytest.mark.parametrize("options, fragment", [
@@ -356,3 +356,22 @@ def test_sizes_beyond_64_bits_are_rejected():
     with pytest.raises(ValueError) as e:
         config.parse_options({"host_pool_limit": 2**64})
     assert "2**63-1" in str(e.value)
+
+
+@pytest.mark.parametrize("value, expected", [
+    (0, 0), ("1MiB", 1 << 20), (4096, 4096)])
+def test_swap_min_bytes(value, expected):
+    assert config.parse_options({"swap_min_bytes": value}).swap_min_bytes == expected
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("swap_min_bytes", -1, "zero or more"),
+    ("swap_min_bytes", "lots", "optional unit"),
+    ("link_bandwidth", 0, "positive number of bytes per second"),
+    ("link_bandwidth", float("nan"), "positive number of bytes per second"),
+    ("link_bandwidth", "fast", "positive number of bytes per second"),
+])
+def test_swap_options_rejected(key, value, words):
+    with pytest.raises(ValueError) as excinfo:
+        config.parse_options({key: value})
+    assert words in str(excinfo.value) and repr(value) in str(excinfo.value)

@@ -200,7 +200,7 @@ def test_help():
 def test_unimplemented_policy_exits_2(tmp_path):
     model = tmp_path / "m.py"
     model.write_text(MODEL_FILE)
-    line = _one_line_error(_tool("--model", model, "--batch", 4, "--policy", "swap",
+    line = _one_line_error(_tool("--model", model, "--batch", 4, "--policy", "auto",
                                  "--out", tmp_path / "out"))
     assert "NotImplemented" in line and "issue" in line
     assert not (tmp_path / "out").exists()

@@ -55,8 +55,7 @@ def test_bad_policy_is_a_value_error_listing_policies(policy):
     assert "'swap+recompute'" in str(e.value) and "'off'" in str(e.value)
 
 
-@pytest.mark.parametrize("policy,capability", [
-    ("swap", "#5"), ("swap+recompute", "#5"), ("auto", "#6")])
+@pytest.mark.parametrize("policy,capability", [("auto", "#6")])
 def test_unimplemented_policy_says_which_capability_brings_it(policy, capability):
     with pytest.raises(NotImplementedError) as e:
         sntf.enable(policy=policy)

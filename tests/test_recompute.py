@@ -120,7 +120,7 @@ def test_a_tensor_computed_in_place_is_recomputed_as_its_buffer():
     # The rewritten graph no longer keeps m's buffer into the backward pass.
     out = rewrite.apply_plan(g, plan).graph_def
     new_idx = G.build_index(out, ["ret"])
-    new_facts = analysis.analyze(new_idx, pipeline._with_clones(props, new_idx))
+    new_facts = analysis.analyze(new_idx, pipeline._with_generated(props, new_idx))
     backward_start = new_facts.timeline.backward_start
     assert facts.intervals[m][1] > facts.timeline.backward_start
     assert new_facts.intervals[(new_idx.node("m"), 0)][1] < backward_start

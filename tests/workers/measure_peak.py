@@ -47,6 +47,8 @@ Result keys:
   nodes                 list: nodes of each training report
   predicted_peak_bytes  max over the training reports (None if none known)
   lower_bound_bytes     max over the training reports (None if none known)
+  planned_peak_bytes    the prediction for the graph as rewritten (the last
+                        training report that has one)
   pass_seconds          pass time of the largest training report
   reports_total         number of sntf reports (all graphs)
 With policy "none" the sntf keys are None and sntf is never imported.
@@ -85,6 +87,9 @@ def _parser():
                         "prefetching (repeatable peaks); arrays: model.fit(x, y)")
     parser.add_argument("--recompute-mode", default=None,
                         choices=("auto", "speed", "memory"))
+    parser.add_argument("--remat", default=None, choices=("remat_scope", "recompute_grad"),
+                        help="the user's alternative (changes the model code): "
+                        "keras.RematScope(mode='full') or tf.recompute_grad per block")
     parser.add_argument("--out", default=None)
     return parser
 
@@ -124,7 +129,7 @@ def _run(args):
         models = _models_without_sntf()
     device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
     keras.utils.set_random_seed(args.seed)
-    model = models.build(args.family, args.depth)
+    model = models.build(args.family, args.depth, remat=args.remat)
     x, y = models.make_data(args.family, args.steps * args.batch, seed=args.seed)
 
     # Place the data on the device before fit, so that bytes_before_fit holds
@@ -172,6 +177,8 @@ def _run(args):
         "batch": args.batch,
         "steps": args.steps,
         "policy": args.policy,
+        "recompute_mode": args.recompute_mode,
+        "remat": args.remat,
         "executor": args.executor,
         "device": device,
         "layers": len(model.layers),
@@ -189,6 +196,7 @@ def _run(args):
         "training_reports": None,
         "nodes": None,
         "predicted_peak_bytes": None,
+        "planned_peak_bytes": None,
         "lower_bound_bytes": None,
         "pass_seconds": None,
         "reports_total": None,
@@ -210,6 +218,7 @@ def _run(args):
 
         result["predicted_peak_bytes"] = last_known("predicted_peak_bytes")
         result["lower_bound_bytes"] = last_known("lower_bound_bytes")
+        result["planned_peak_bytes"] = last_known("planned_peak_bytes")
         if training:
             largest = max(training, key=lambda r: r.get("nodes") or 0)
             result["pass_seconds"] = largest.get("pass_seconds")
@@ -228,7 +237,8 @@ def main(argv=None):
 
 
 def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
-            timeout=900, repeats=1, executor="default", input="dataset"):
+            timeout=900, repeats=1, executor="default", input="dataset",
+            recompute_mode=None, remat=None):
     """Runs this worker in a fresh Python process (sys.executable) and returns
     its result dict, with wall_seconds added.
 
@@ -245,7 +255,8 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
     """
     if repeats > 1:
         runs = [measure(family, batch, steps, policy, depth, seed, timeout,
-                        executor=executor, input=input)
+                        executor=executor, input=input,
+                        recompute_mode=recompute_mode, remat=remat)
                 for _ in range(repeats)]
         peaks = [r["measured_peak_bytes"] for r in runs]
         chosen = dict(sorted(runs, key=lambda r: r["measured_peak_bytes"])[len(runs) // 2])
@@ -258,6 +269,10 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
                "--seed", str(seed), "--executor", executor, "--input", input]
     if depth is not None:
         command += ["--depth", str(depth)]
+    if recompute_mode is not None:
+        command += ["--recompute-mode", recompute_mode]
+    if remat is not None:
+        command += ["--remat", remat]
     env = dict(os.environ)
     env.update(MEASURE_ENV)
     for name in ("SNTF_POLICY", "SNTF_BUDGET"):  # the worker decides the policy

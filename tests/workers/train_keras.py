@@ -53,6 +53,8 @@ def main():
     parser.add_argument("--identity-rewrite", action="store_true")
     parser.add_argument("--recompute-mode", default=None,
                         help="recompute_mode option (with --sntf recompute)")
+    parser.add_argument("--swap-min-bytes", type=int, default=None,
+                        help="swap_min_bytes option (with --sntf swap...)")
     parser.add_argument("--family", default=None,
                         help="a model family of sntf.models instead of --model")
     parser.add_argument("--evaluate", action="store_true",
@@ -70,6 +72,8 @@ def main():
         options = {"identity_rewrite": args.identity_rewrite}
         if args.recompute_mode:
             options["recompute_mode"] = args.recompute_mode
+        if args.swap_min_bytes is not None:
+            options["swap_min_bytes"] = args.swap_min_bytes
         sntf.enable(policy=args.sntf, batch_size=args.batch, **options)
     tf.config.experimental.enable_op_determinism()
     keras.utils.set_random_seed(1234)
@@ -121,8 +125,9 @@ def main():
 
         result["reports"] = [
             {k: r[k] for k in ("graph", "training", "nodes", "action", "reason",
-                               "invocations")}
+                               "invocations", "swapped", "recomputed")}
             for r in sntf.reports()]
+        result["stats"] = sntf.stats()
     print("RESULT " + json.dumps(result))
     return 0
 
