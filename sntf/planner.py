@@ -351,10 +351,14 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
             continue
         for port in sorted({p for _, _, p in g.consumers[producer]}):
             t = (producer, port)
-            size = facts.tensor_bytes.get(t, 0)
-            if (facts.buffer_of(t) != t or size < max(min_bytes, 1)
+            # An op that ran in place leaves t in its input's buffer; that
+            # buffer is freed by swapping t when t is the only tensor in it
+            # the backward pass reads.
+            buffer = facts.buffer_of(t)
+            size = facts.tensor_bytes.get(buffer, 0) if buffer else 0
+            if (buffer is None or size < max(min_bytes, 1)
                     or dtypes.get(t) not in SWAP_DTYPES
-                    or backward_read.get(t, set()) != {t}):
+                    or backward_read.get(buffer, set()) != {t}):
                 continue
             readers = sorted(((c, slot) for c, slot, p in g.consumers[producer]
                               if p == port and phases[c] == graph_model.BACKWARD),

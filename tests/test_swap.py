@@ -1,0 +1,165 @@
+"""Swapping: plan and rewrite on a hand-built step; bit-identical training
+with "swap" and "swap+recompute" on the six model families (fresh processes);
+a 200-step soak without pool or peak growth."""
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest import WORKERS
+from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder
+from sntf import analysis, names, pipeline, planner, rewrite
+from sntf import graph as G
+
+MIB = 1 << 20
+
+
+def dense_step(width=MIB // 4):
+    """h1 = relu(x W1); h2 = h1 W2; loss = sum(h2); SGD on W1.
+
+    The backward pass reads x (for dW1), h1 (ReluGrad) and W2; h1 (1 MiB)
+    is the one worth parking."""
+    b = GraphBuilder()
+    (b.arg("x").arg("w1", DT_RESOURCE).read("w1_read", "w1")
+     .arg("w2", DT_RESOURCE).read("w2_read", "w2")
+     .op("MatMul", "h1_pre", ["x", "w1_read"], T=DT_FLOAT)
+     .op("Relu", "h1", ["h1_pre"], T=DT_FLOAT)
+     .op("MatMul", "h2", ["h1", "w2_read"], T=DT_FLOAT)
+     .const("axes", [0], DT_INT32)
+     .op("Sum", "loss", ["h2", "axes"], T=DT_FLOAT)
+     .const("grad/ones", 1.0)
+     .op("Mul", "grad/seed", ["grad/ones", "loss"], T=DT_FLOAT)
+     .op("MatMul", "grad/h1", ["grad/seed", "w2_read"], T=DT_FLOAT, transpose_b=True)
+     .op("ReluGrad", "grad/relu", ["grad/h1", "h1"], T=DT_FLOAT)
+     .op("MatMul", "grad/w1", ["x", "grad/relu"], T=DT_FLOAT, transpose_a=True)
+     .const("lr", 0.1)
+     .op("Mul", "sgd/mul1", ["lr", "grad/w1"], T=DT_FLOAT)
+     .op("AssignSubVariableOp", "sgd/update1", ["w1", "sgd/mul1"], dtype=DT_FLOAT)
+     .retval("ret", "loss"))
+    props = {}
+    for node in b.build().node:
+        if node.op in ("_Retval", "AssignSubVariableOp"):
+            props[node.name] = []
+        elif node.name in ("w1", "w2"):
+            props[node.name] = [(DT_RESOURCE, ())]
+        elif node.name in ("h1_pre", "h1", "grad/h1", "grad/relu"):
+            props[node.name] = [(DT_FLOAT, (width,))]
+        elif node.name == "x":
+            props[node.name] = [(DT_FLOAT, (1024,))]
+        else:
+            props[node.name] = [(DT_FLOAT, (16,))]
+    return b.build(), props
+
+
+def swap_plan(min_bytes=MIB, bandwidth=1e9):
+    g, props = dense_step()
+    idx = G.build_index(g, ["ret"])
+    facts = analysis.analyze(idx, props)
+    dtypes = {(idx.node(n), p): o[0] for n, outs in props.items()
+              for p, o in enumerate(outs)}
+    plan = planner.plan_swap(idx, facts, dtypes, min_bytes, bandwidth,
+                             frozenset(idx.fetch))
+    return g, props, idx, facts, plan
+
+
+def test_plan_swaps_the_large_tensor_the_backward_pass_reads():
+    _, _, idx, facts, plan = swap_plan()
+    # h1 lives in h1_pre's buffer (Relu runs in place); h1 is the only
+    # tensor in it that the backward pass reads, so parking h1 frees it.
+    assert facts.buffer_of((idx.node("h1"), 0)) == (idx.node("h1_pre"), 0)
+    assert [s.tensor for s in plan.swaps] == ["h1:0"]
+    assert [d.tensor for d in plan.decisions] == ["h1:0"]
+    swap = plan.swaps[0]
+    assert swap.dtype == DT_FLOAT
+    readers = sorted(c for g_ in swap.groups for c in g_.consumers)
+    assert readers == [("grad/relu", 1)]
+    decision = plan.decisions[0]
+    assert decision.action == planner.SWAP and decision.bytes_saved == MIB
+    # Below the threshold nothing is swapped.
+    assert swap_plan(min_bytes=2 * MIB)[4].swaps == ()
+
+
+def test_prefetch_trigger_runs_before_the_first_reader_and_covers_the_transfer():
+    _, _, idx, facts, plan = swap_plan(bandwidth=1e15)     # transfer ~ free
+    step_of = {n: s for s, n in enumerate(facts.schedule)}
+    group = plan.swaps[0].groups[0]
+    first_reader = min(step_of[idx.node(c)] for c, _ in group.consumers)
+    trigger = step_of[idx.node(group.trigger)]
+    assert trigger < first_reader
+    assert facts.phases[idx.node(group.trigger)] == G.BACKWARD
+    # A slow link moves the trigger earlier (never later).
+    _, _, _, slow_facts, slow = swap_plan(bandwidth=1e3)
+    slow_trigger = step_of[idx.node(slow.swaps[0].groups[0].trigger)]
+    assert slow_trigger <= trigger
+    assert slow.decisions[0].seconds_added > 0
+
+
+def test_rewrite_adds_swap_nodes_and_lowers_the_predicted_peak():
+    g, props, idx, facts, plan = swap_plan()
+    out = rewrite.apply_plan(g, plan).graph_def
+    by_role = {}
+    for node in out.node:
+        by_role.setdefault(names.role_of(node), []).append(node)
+    (swap_out,) = by_role[names.ROLE_SWAP_OUT]
+    swap_ins = by_role[names.ROLE_SWAP_IN]
+    producer = "h1"
+    assert swap_out.op == "SnSwapOut" and list(swap_out.input) == [producer]
+    assert swap_out.attr["T"].type == DT_FLOAT
+    assert names.swap_source(swap_out.name) == (producer, 0)
+    for swap_in, group in zip(swap_ins, plan.swaps[0].groups):
+        assert list(swap_in.input) == [swap_out.name, "^" + group.trigger]
+        assert names.swap_source(swap_in.name) == (producer, 0)
+    nodes = {n.name: n for n in out.node}
+    assert nodes["grad/relu"].input[1].startswith("sntf/swap_in/")
+    assert nodes["h2"].input[0] == "h1"                 # forward reader unchanged
+    new_idx = G.build_index(out, ["ret"])
+    assert not new_idx.has_cycles
+    new_facts = analysis.analyze(new_idx, pipeline._with_generated(props, new_idx))
+    # h1's device buffer now dies in the forward pass; the backward pass
+    # reads the swapped-in copy, allocated no earlier than its trigger.
+    h1_buffer = (new_idx.node("h1_pre"), 0)
+    swap_in_step = new_facts.schedule.index(new_idx.node(swap_ins[0].name))
+    trigger_step = new_facts.schedule.index(new_idx.node(plan.swaps[0].groups[0].trigger))
+    relu_grad_step = new_facts.schedule.index(new_idx.node("grad/relu"))
+    assert trigger_step < swap_in_step < relu_grad_step
+    assert new_facts.intervals[h1_buffer][1] < swap_in_step
+    assert facts.intervals[(idx.node("h1_pre"), 0)][1] == facts.schedule.index(
+        idx.node("grad/relu"))
+    # Idempotent: the pass leaves a graph holding sntf nodes alone.
+    assert new_idx.sntf_nodes
+
+
+def test_swap_source_parses_only_sntf_names():
+    assert names.swap_source(names.swap_in_name("a/b", 2, 3)) == ("a/b", 2)
+    assert names.swap_source(names.swap_out_name("a/b", 0)) == ("a/b", 0)
+    assert names.swap_source("a/b") is None
+    assert names.swap_source("sntf/swap_in/x") is None
+
+
+def _train(fresh_python, out, family, *flags, steps=3):
+    run = fresh_python(args=[os.path.join(WORKERS, "train_keras.py"), "--family",
+                             family, "--batch", "8", "--steps", str(steps), "--out",
+                             str(out), *flags])
+    result = run.result()
+    with np.load(out) as data:
+        return result, {k: data[k].copy() for k in data.files}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mlp", "vgg", "resnet", "densenet",
+                                    "transformer", "mobilenet"])
+def test_swap_policies_train_bit_identically(fresh_python, tmp_path, family):
+    base, weights = _train(fresh_python, tmp_path / "base.npz", family)
+    for policy in ("swap", "swap+recompute"):
+        # At batch 8 the activations are small: a 4 KiB threshold swaps them.
+        result, got = _train(fresh_python, tmp_path / "p.npz", family,
+                             "--sntf", policy, "--swap-min-bytes", "4096")
+        assert result["losses"] == base["losses"], (family, policy)
+        for k in weights:
+            assert got[k].tobytes() == weights[k].tobytes(), (family, policy, k)
+        training = [r for r in result["reports"] if r["training"]]
+        assert any(r["action"] == "rewritten" and r["swapped"] for r in training), training
+        swap = result["stats"]["swap"]
+        assert swap["swap_out_ops"] > 0 and swap["failed_ops"] == 0
+        assert swap["swap_in_ops"] >= swap["swap_out_ops"]
