@@ -51,6 +51,7 @@ Result keys:
                         training report that has one)
   pass_seconds          pass time of the largest training report
   reports_total         number of sntf reports (all graphs)
+  sntf_stats            sntf.stats() after fit: host pool and swap counters
 With policy "none" the sntf keys are None and sntf is never imported.
 `measure()` adds wall_seconds (the subprocess's wall time).
 """
@@ -200,6 +201,7 @@ def _run(args):
         "lower_bound_bytes": None,
         "pass_seconds": None,
         "reports_total": None,
+        "sntf_stats": None,
     }
     if sntf is not None:
         reports = sntf.reports()
@@ -209,6 +211,7 @@ def _run(args):
         result["training_reports"] = [{k: r.get(k) for k in keys} for r in training]
         result["nodes"] = [r.get("nodes") for r in training]
         result["reports_total"] = len(reports)
+        result["sntf_stats"] = sntf.stats()
 
         def last_known(key):
             # Grappler hands the train graph over twice; the graph that runs

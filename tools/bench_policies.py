@@ -1,23 +1,28 @@
-"""Benchmarks recomputation against the user's alternatives, side by side.
+"""Benchmarks sntf's policies against TensorFlow and the user's alternatives.
 
-    python tools/bench_recompute.py [--models vgg,resnet,densenet,resnet:6]
-                                    [--batch 32] [--steps 4] [--repeats 1]
-                                    [--out BENCHMARKS_recompute.md]
+    python tools/bench_policies.py --suite recompute|swap
+                                   [--models vgg,resnet,densenet,resnet:8]
+                                   [--batch 32] [--steps 6] [--repeats 1]
+                                   [--out BENCHMARKS_<suite>.md]
 
 For every model (family, or family:depth) it trains `steps` steps in fresh
-processes (tests/workers/measure_peak.py), one per configuration:
+processes (tests/workers/measure_peak.py), one per configuration.
 
+--suite recompute:
   TensorFlow                 the unchanged model, sntf not imported
   RematScope(mode="full")    the model built inside keras.RematScope (a
                              model-code change)
   tf.recompute_grad / block  each block wrapped in tf.recompute_grad (a
                              model-code change)
   sntf speed / memory / auto policy "recompute" with that mode, unchanged model
+--suite swap:
+  TensorFlow, sntf recompute (auto), sntf swap, sntf swap+recompute
 
-and tabulates the CPU:0 device peak and the median step time (steps after
-the first), each with its ratio to TensorFlow's, plus sntf's planned peak
-and planned / measured. A configuration that fails to train is listed with
-the error's last line. Progress lines go to stdout; the table and the exact
+It tabulates the CPU:0 device peak and the median step time (steps after
+the first), each with its ratio to TensorFlow's, sntf's planned peak and
+planned / measured, and for the swap suite the host pool's peak and the
+bytes moved per step each way. A configuration that fails to train is
+listed with its error. Progress lines go to stdout; the table and the exact
 command line are printed and written to --out.
 """
 
@@ -35,22 +40,29 @@ sys.path.insert(0, REPO)
 import measure_peak  # noqa: E402  (tests/workers, added to sys.path above)
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("models", "vgg,resnet,densenet,resnet:6",
+flags.DEFINE_enum("suite", "recompute", ["recompute", "swap"], "which configurations")
+flags.DEFINE_string("models", "vgg,resnet,densenet,resnet:8",
                     "comma-separated family or family:depth")
 flags.DEFINE_integer("batch", 32, "batch size")
 flags.DEFINE_integer("steps", 6, "training steps per run (step time: median after the first)")
 flags.DEFINE_integer("repeats", 1, "fresh processes per configuration (median peak)")
-flags.DEFINE_string("out", "BENCHMARKS_recompute.md", "markdown file for the table")
+flags.DEFINE_string("out", None, "markdown file for the table "
+                    "(default BENCHMARKS_<suite>.md)")
 
 MIB = float(1 << 20)
-CONFIGS = (
+SUITES = {"recompute": (
     ("TensorFlow", dict(policy="none")),
     ('RematScope(mode="full")', dict(policy="none", remat="remat_scope")),
     ("tf.recompute_grad / block", dict(policy="none", remat="recompute_grad")),
     ("sntf speed", dict(policy="recompute", recompute_mode="speed")),
     ("sntf memory", dict(policy="recompute", recompute_mode="memory")),
     ("sntf auto", dict(policy="recompute", recompute_mode="auto")),
-)
+), "swap": (
+    ("TensorFlow", dict(policy="none")),
+    ("sntf recompute", dict(policy="recompute", recompute_mode="auto")),
+    ("sntf swap", dict(policy="swap")),
+    ("sntf swap+recompute", dict(policy="swap+recompute")),
+)}
 
 
 def _error_line(text: str) -> str:
@@ -71,28 +83,41 @@ def _model(spec: str):
     return family, (int(depth) if depth else None)
 
 
-def _row(spec, label, result, base):
+HEADER = ["model", "configuration", "device peak (MiB)", "peak / TF", "step (ms)",
+          "step / TF", "planned peak (MiB)", "planned / measured"]
+SWAP_HEADER = ["host pool peak (MiB)", "to host / step (MiB)", "to device / step (MiB)"]
+
+
+def _row(spec, label, result, base, swap_columns):
+    width = len(HEADER) + (len(SWAP_HEADER) if swap_columns else 0)
     if isinstance(result, str):
-        return f"| {spec} | {label} | fails: {result} | | | | | |"
+        return f"| {spec} | {label} | fails: {result} |" + " |" * (width - 3)
     peak, step = result["measured_peak_bytes"], result["seconds_per_step"]
     planned = result.get("planned_peak_bytes")
     cells = [spec, label, f"{peak / MIB:.1f}", f"{peak / base['measured_peak_bytes']:.3f}",
              f"{step * 1000:.0f}", f"{step / base['seconds_per_step']:.2f}",
              "" if planned is None else f"{planned / MIB:.1f}",
              "" if planned is None else f"{planned / peak:.3f}"]
+    if swap_columns:
+        stats = result.get("sntf_stats") or {}
+        pool, swap = stats.get("pool", {}), stats.get("swap", {})
+        steps = result["steps"]
+        cells += [f"{pool.get('peak_bytes_in_use', 0) / MIB:.1f}",
+                  f"{swap.get('bytes_to_host', 0) / steps / MIB:.1f}",
+                  f"{swap.get('bytes_to_device', 0) / steps / MIB:.1f}"]
     return "| " + " | ".join(cells) + " |"
 
 
 def main(argv):
     del argv
     start = time.perf_counter()
-    lines = ["| model | configuration | device peak (MiB) | peak / TF | step (ms) | "
-             "step / TF | planned peak (MiB) | planned / measured |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    swap_columns = FLAGS.suite == "swap"
+    header = HEADER + (SWAP_HEADER if swap_columns else [])
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for spec in FLAGS.models.split(","):
         family, depth = _model(spec)
         base = None
-        for label, options in CONFIGS:
+        for label, options in SUITES[FLAGS.suite]:
             try:
                 result = measure_peak.measure(family, FLAGS.batch, steps=FLAGS.steps,
                                               depth=depth, repeats=FLAGS.repeats,
@@ -103,14 +128,15 @@ def main(argv):
                 result = _error_line(str(e))
             if base is None:
                 base = result
-            lines.append(_row(f"{family} (depth {depth or 'default'})", label, result, base))
+            lines.append(_row(f"{family} (depth {depth or 'default'})", label, result,
+                              base, swap_columns))
             print(lines[-1], flush=True)
-    command = "python tools/bench_recompute.py " + " ".join(
+    command = "python tools/bench_policies.py " + " ".join(
         shlex.quote(a) for a in sys.argv[1:])
     text = "\n".join(lines) + (f"\n\nProduced by `{command}` "
                                f"({time.perf_counter() - start:.0f} s).\n")
     print(text)
-    with open(FLAGS.out, "w") as f:
+    with open(FLAGS.out or f"BENCHMARKS_{FLAGS.suite}.md", "w") as f:
         f.write(text)
     return 0
 
