@@ -101,11 +101,16 @@ def stats() -> dict:
       {"pool": {...bytes_in_use, peak_bytes_in_use, bytes_reserved,
       limit_bytes, num_allocs, largest_free_block, fragmentation...},
       "swap": {swap_out_ops, swap_in_ops, bytes_to_host, bytes_to_device,
-      failed_ops}, "plugin": {calls, passthrough, native_errors, ...}}
+      failed_ops, cache_hits, cache_misses, cache_evictions, cache_no_stats,
+      cache_entries, cached_device_bytes}, "plugin": {calls, passthrough,
+      native_errors, ...}}. A hit is a swap-in served by the tensor cache's
+      device copy (no transfer); a miss copied from the host pool.
     """
     from sntf import _native
 
-    result = {"pool": _native.pool_stats(), "swap": _native.swap_stats()}
+    swap = _native.swap_stats()
+    swap.update(_native.cache_stats())
+    result = {"pool": _native.pool_stats(), "swap": swap}
     try:
         from sntf import plugin
 

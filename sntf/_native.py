@@ -24,7 +24,8 @@ POOL_STAT_NAMES = ("bytes_in_use", "peak_bytes_in_use", "bytes_reserved",
                    "num_frees", "active_allocs", "num_failed_allocs",
                    "largest_free_block", "free_bytes", "num_regions")
 SWAP_STAT_NAMES = ("swap_out_ops", "swap_in_ops", "bytes_to_host",
-                   "bytes_to_device", "failed_ops")
+                   "bytes_to_device", "failed_ops", "cache_hits", "cache_misses",
+                   "cache_evictions", "cache_no_stats")
 
 
 def _find(stem: str) -> str:
@@ -62,6 +63,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sntf_pool_stats": (ctypes.c_int, [vp, ptr64, ctypes.c_int]),
         "sntf_pool_fragmentation": (ctypes.c_double, [vp]),
         "sntf_swap_stats": (ctypes.c_int, [ptr64, ctypes.c_int]),
+        "sntf_cache_clear": (ctypes.c_int64, []),
+        "sntf_cache_gauges": (ctypes.c_int, [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -116,6 +119,19 @@ def swap_stats() -> dict:
     values = (ctypes.c_uint64 * len(SWAP_STAT_NAMES))()
     n = lib.sntf_swap_stats(values, len(SWAP_STAT_NAMES))
     return {name: int(values[i]) for i, name in enumerate(SWAP_STAT_NAMES[:n])}
+
+
+def cache_stats() -> dict:
+    """The tensor cache's gauges: live entries and bytes kept on a device."""
+    lib = ops_cdll()
+    values = (ctypes.c_int64 * 2)()
+    lib.sntf_cache_gauges(values, 2)
+    return {"cache_entries": int(values[0]), "cached_device_bytes": int(values[1])}
+
+
+def clear_cache() -> int:
+    """Drops every tensor-cache entry (after an aborted step); returns how many."""
+    return int(ops_cdll().sntf_cache_clear())
 
 
 def set_host_pool_limit(limit_bytes: int) -> None:

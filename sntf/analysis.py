@@ -40,8 +40,10 @@ ALIAS_OPS = frozenset({
     "ReadVariableOp", "Bitcast",
 })
 # Ops that produce no tensor memory the step pays for. SnSwapOut's output is
-# parked in sntf's host pool, outside the device allocator.
-FREE_OPS = frozenset({"_Arg", "NoOp", "VarHandleOp", "Placeholder", "SnSwapOut"})
+# parked in sntf's host pool, outside the device allocator; SnCacheOut's is a
+# ticket (the planned peak assumes the cache copies every tensor).
+FREE_OPS = frozenset({"_Arg", "NoOp", "VarHandleOp", "Placeholder", "SnSwapOut",
+                      "SnCacheOut"})
 # Element-wise kernels that write into an input buffer they read last.
 FORWARDING_OPS = frozenset({
     "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid", "Softplus",

@@ -17,6 +17,8 @@ ROLES = (ROLE_SWAP_OUT, ROLE_SWAP_IN, ROLE_RECOMPUTE)
 
 SWAP_OUT_OP = "SnSwapOut"
 SWAP_IN_OP = "SnSwapIn"
+CACHE_OUT_OP = "SnCacheOut"
+CACHE_IN_OP = "SnCacheIn"
 
 
 def swap_out_name(node: str, port: int) -> str:

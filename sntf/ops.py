@@ -29,3 +29,39 @@ def swap_in(parked, name: str = None):
       A device tensor equal to the tensor that was swapped out.
     """
     return _native.load_ops().sn_swap_in(parked, name=name)
+
+
+def cache_out(x, budget: int, uses: int = 1, name: str = None):
+    """Hands `x` to the tensor cache (kept on the device while it fits `budget`).
+
+    Args:
+      x: a tensor of any numeric, bool or complex dtype.
+      budget: device bytes: x stays on the device while the allocator's live
+        bytes plus x fit; otherwise older cached tensors are evicted first and
+        x is parked in the host pool if it still does not fit.
+      uses: how many cache_in calls will read the ticket.
+      name: optional op name.
+
+    Returns:
+      An int64 scalar ticket.
+    """
+    return _native.load_ops().sn_cache_out(x, budget=int(budget), uses=int(uses),
+                                           name=name)
+
+
+def cache_in(ticket, dtype, shape=None, name: str = None):
+    """Returns the tensor behind a cache_out ticket (the device copy if cached).
+
+    Args:
+      ticket: the output of cache_out.
+      dtype: the tensor's dtype.
+      shape: its static shape (for shape inference; None: unknown).
+      name: optional op name.
+
+    Returns:
+      The tensor, equal to the one given to cache_out.
+    """
+    import tensorflow as tf
+
+    return _native.load_ops().sn_cache_in(
+        ticket, T=tf.as_dtype(dtype), shape=tf.TensorShape(shape), name=name)

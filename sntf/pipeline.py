@@ -230,11 +230,18 @@ def _stage_plan(kind: str, index: graph.GraphIndex, facts, props,
     if kind == "recompute":
         return planner.plan_recompute(index, facts, state.options.recompute_mode,
                                       protected)
-    dtypes = {(index.node(name), port): out[0]
-              for name, outs in props.items() if name in index.index
-              for port, out in enumerate(outs)}
+    dtypes, shapes = {}, {}
+    for name, outs in props.items():
+        if name in index.index:
+            for port, (dtype, shape) in enumerate(outs):
+                dtypes[(index.node(name), port)] = dtype
+                shapes[(index.node(name), port)] = shape
+    cache_budget = None
+    if state.budget is not None:
+        cache_budget = state.budget.resolve(config.device_memory_bytes())
     return planner.plan_swap(index, facts, dtypes, state.options.swap_min_bytes,
-                             _link_bandwidth(state, index), protected)
+                             _link_bandwidth(state, index), protected, shapes,
+                             cache_budget)
 
 
 STAGES = {"recompute": ("recompute",), "swap": ("swap",),
@@ -286,10 +293,48 @@ def _best_rewrite(graph_def, index: graph.GraphIndex, facts, props,
         notes.extend(plan.notes)
         recomputes, swaps = recomputes + plan.recomputes, swaps + plan.swaps
         modified = True
+    cache_budget = None
+    if swaps and state.budget is not None:
+        cache_budget = state.budget.resolve(config.device_memory_bytes())
+        current = _cache_thresholds(current, current_index, current_facts, cache_budget)
+        notes.append(_cache_note(current_facts, cache_budget))
     plan = planner.Plan(policy=state.policy, decisions=tuple(decisions),
-                        notes=tuple(notes), recomputes=recomputes, swaps=swaps)
+                        notes=tuple(notes), recomputes=recomputes, swaps=swaps,
+                        cache_budget=cache_budget)
     final = rewrite.RewriteResult(graph_def=current, modified=modified)
     return plan, final, (current_facts if modified else None)
+
+
+def _cache_thresholds(graph_def, index: graph.GraphIndex, facts, budget: int):
+    """Sets each SnCacheOut's run-time threshold from the planned timeline.
+
+    The planned peak assumes every swap copies. Keeping a tensor on the
+    device adds its bytes to every later step, so the cache may keep tensors
+    only within the headroom budget - planned peak. At run time a swap-out
+    compares the allocator's live bytes with the live bytes planned at its
+    step: threshold = budget - planned peak + planned live at that step, so
+    "live + tensor <= threshold" means "what the cache already keeps, plus
+    this tensor, fits the headroom". A budget below the planned peak leaves
+    no headroom: every swap copies.
+    """
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    step_of = {node: s for s, node in enumerate(facts.schedule)}
+    headroom = budget - facts.predicted_peak_bytes
+    for node in out.node:
+        if node.op == names.CACHE_OUT_OP:
+            live = facts.timeline.device_bytes[step_of[index.node(node.name)]]
+            node.attr["budget"].i = max(0, headroom + live)
+    return out
+
+
+def _cache_note(facts, budget: int) -> str:
+    headroom = budget - facts.predicted_peak_bytes
+    if headroom < 0:
+        return (f"budget {budget} bytes is below the planned peak "
+                f"{facts.predicted_peak_bytes} bytes: every swap copies")
+    return (f"tensor cache: up to {headroom} bytes of swapped tensors stay on the "
+            f"device (budget {budget} - planned peak {facts.predicted_peak_bytes})")
 
 
 def _validate(graph_def, before: graph.GraphIndex) -> graph.GraphIndex:

@@ -44,6 +44,10 @@ class Plan:
     notes: tuple[str, ...] = ()
     recomputes: tuple = ()           # Recompute recipes, one per recomputed tensor
     swaps: tuple = ()                # Swap recipes, one per swapped tensor
+    # Device budget for the run-time tensor cache: swaps then go through
+    # SnCacheOut/SnCacheIn and copy only under memory pressure. None: every
+    # swap copies (SnSwapOut/SnSwapIn).
+    cache_budget: Optional[int] = None
 
     def tensors(self, action: str) -> list[str]:
         """Tensors given `action`, in decision order."""
@@ -287,6 +291,9 @@ SWAP_DTYPES = frozenset({1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16,
 # times of the group's first reader; a later reader gets its own swap-in, so
 # the tensor does not sit on the device between distant readers.
 SWAP_WINDOW_TRANSFERS = 4.0
+# Readers that need only a tensor's shape: they keep reading the original
+# (they are ready, and run, as soon as the tensor exists).
+METADATA_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,10 +311,17 @@ class Swap:
     tensor: str                      # "node:port"
     dtype: int                       # DataType enum (the ops' T attr)
     groups: tuple[SwapGroup, ...]
+    shape: Optional[tuple] = None    # static shape (-1: unknown dim; None: unknown rank)
+    # Forward readers of the tensor: they wait for the swap-out, so the copy
+    # is made while they hold the tensor anyway and the device buffer dies
+    # with its last forward reader (left alone, the executor may run the
+    # swap-out late and keep the buffer alive meanwhile).
+    forward_readers: tuple[str, ...] = ()
 
 
 def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
-              protected: frozenset = frozenset()) -> Plan:
+              protected: frozenset = frozenset(), shapes: Optional[dict] = None,
+              cache_budget: Optional[int] = None) -> Plan:
     """Superneurons' unified tensor pool: offload, then prefetch.
 
     A forward tensor of at least `min_bytes` that the backward pass reads is
@@ -325,6 +339,10 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
       min_bytes: smaller tensors are never swapped.
       bandwidth: host link bandwidth in bytes per second.
       protected: node indices that must stay as they are (fetch, preserve).
+      shapes: (node, port) -> static shape, recorded for the cache ops'
+        shape inference.
+      cache_budget: device bytes for the run-time tensor cache (None: no
+        cache, every swap copies).
 
     Returns:
       A Plan with one SWAP decision and one Swap recipe per tensor.
@@ -338,8 +356,6 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
         raise ValueError(f"bandwidth must be positive, got {bandwidth!r}")
     phases = facts.phases
     step_of = {node: s for s, node in enumerate(facts.schedule)}
-    backward_steps = [s for s, i in enumerate(facts.schedule)
-                      if phases[i] == graph_model.BACKWARD]
     backward_read = _backward_read_by_buffer(g, facts)
     decisions, recipes = [], []
     for producer in facts.schedule:
@@ -361,14 +377,20 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
                     or backward_read.get(buffer, set()) != {t}):
                 continue
             readers = sorted(((c, slot) for c, slot, p in g.consumers[producer]
-                              if p == port and phases[c] == graph_model.BACKWARD),
+                              if p == port and phases[c] == graph_model.BACKWARD
+                              and g.ops[c] not in METADATA_OPS),
                              key=lambda r: step_of[r[0]])
             transfer = size / bandwidth
-            groups = _swap_groups(g, facts, readers, transfer, step_of, backward_steps)
+            groups = _swap_groups(g, facts, readers, transfer, step_of)
             if not groups:
                 continue
             name = f"{g.names[producer]}:{port}"
-            recipes.append(Swap(tensor=name, dtype=dtypes[t], groups=tuple(groups)))
+            forward = sorted({g.names[c] for c, _, p in g.consumers[producer]
+                              if p == port and (phases[c] != graph_model.BACKWARD
+                                                or g.ops[c] in METADATA_OPS)})
+            recipes.append(Swap(tensor=name, dtype=dtypes[t], groups=tuple(groups),
+                                shape=(shapes or {}).get(t),
+                                forward_readers=tuple(forward)))
             decisions.append(Decision(
                 tensor=name, action=SWAP,
                 reason=(f"{g.ops[producer]} output of {size} bytes read by "
@@ -377,8 +399,11 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
                 bytes_saved=size,
                 seconds_added=_exposed_transfer(facts, groups, transfer, g, step_of)))
     note = f"swap: {len(recipes)} tensor(s) of at least {min_bytes} bytes"
+    if cache_budget is not None:
+        note += (f", through the tensor cache (copied only when the device's live "
+                 f"bytes exceed {cache_budget})")
     return Plan(policy="swap", decisions=tuple(decisions), notes=(note,),
-                swaps=tuple(recipes))
+                swaps=tuple(recipes), cache_budget=cache_budget)
 
 
 def _backward_read_by_buffer(g, facts) -> dict:
@@ -395,7 +420,7 @@ def _backward_read_by_buffer(g, facts) -> dict:
     return result
 
 
-def _swap_groups(g, facts, readers, transfer, step_of, backward_steps) -> list:
+def _swap_groups(g, facts, readers, transfer, step_of) -> list:
     """Splits readers into swap-in windows and picks each one's prefetch trigger."""
     groups, current = [], []
     window = SWAP_WINDOW_TRANSFERS * transfer
@@ -409,7 +434,7 @@ def _swap_groups(g, facts, readers, transfer, step_of, backward_steps) -> list:
         groups.append(current)
     result = []
     for batch in groups:
-        trigger = _prefetch_trigger(facts, step_of[batch[0][0]], transfer, backward_steps)
+        trigger = gradient_ancestor(g, facts, step_of, batch[0][0], transfer)
         if trigger is None:
             return []
         result.append(SwapGroup(consumers=tuple((g.names[c], slot) for c, slot in batch),
@@ -421,20 +446,43 @@ def _seconds_between(facts, first: int, last: int) -> float:
     return sum(facts.op_seconds[first:last])
 
 
-def _prefetch_trigger(facts, reader_step: int, transfer: float, backward_steps):
-    """The backward node far enough before `reader_step` to hide `transfer`:
-    walking back from the reader, the first whose estimated compute up to the
-    reader covers the transfer (or the first backward node)."""
-    k = bisect.bisect_left(backward_steps, reader_step)
-    if k == 0:
-        return None
-    covered = 0.0
-    for j in range(k - 1, -1, -1):
-        step = backward_steps[j]
-        covered += facts.op_seconds[step]
-        if covered >= transfer or j == 0:
-            return facts.schedule[step]
-    return None
+def gradient_ancestor(g, facts, step_of: dict, reader: int,
+                      seconds: float) -> Optional[int]:
+    """The backward op that releases a swap-in needed by `reader`.
+
+    Walks back from `reader` along the backward pass's critical path: at each
+    op, to its backward-phase data input scheduled last (the gradient that
+    arrives last). It stops at the first op whose estimated compute up to the
+    reader covers `seconds`. Being an ancestor of the reader, the trigger
+    runs shortly before it in any executor order; an op merely scheduled
+    nearby in the predicted order (a shape computation, another branch) can
+    run much earlier, bringing the tensor back long before it is needed
+    (measured: a 178-layer ResNet peaked 1.24x above baseline that way).
+
+    Args:
+      g, facts: the graph index and its analysis.
+      step_of: node index -> schedule step.
+      reader: the node that needs the tensor.
+      seconds: compute to leave between the trigger and the reader.
+
+    Returns:
+      The node index, or None when the reader has no backward input.
+    """
+    from sntf import graph as graph_model
+
+    covered, node, found = 0.0, reader, None
+    while True:
+        # Control inputs count: a recomputed clone waits on its trigger.
+        inputs = [p for p in [p for p, _ in g.data_inputs[node]]
+                  + list(g.control_inputs[node])
+                  if facts.phases[p] == graph_model.BACKWARD]
+        if not inputs:
+            return found
+        node = max(inputs, key=step_of.get)
+        found = node
+        covered += facts.op_seconds[step_of[node]]
+        if covered >= seconds:
+            return node
 
 
 def _exposed_transfer(facts, groups, transfer, g, step_of) -> float:

@@ -47,26 +47,48 @@ def apply_plan(graph_def, plan: planner.Plan) -> RewriteResult:
         _apply_recompute(out, nodes, recipe, groups)
         groups += len(recipe.groups)
     for recipe in plan.swaps:
-        _apply_swap(out, nodes, recipe)
+        _apply_swap(out, nodes, recipe, plan.cache_budget)
     return RewriteResult(graph_def=out, modified=bool(plan.recomputes or plan.swaps))
 
 
-def _apply_swap(out, nodes: dict, recipe: planner.Swap) -> None:
-    """Adds SnSwapOut after the producer and one SnSwapIn per group, each
-    released by its prefetch trigger, and rewires the group's readers."""
+def _apply_swap(out, nodes: dict, recipe: planner.Swap, cache_budget) -> None:
+    """Adds a swap-out after the producer and one swap-in per group, each
+    released by its prefetch trigger, and rewires the group's readers.
+
+    Without a cache budget the pair is SnSwapOut/SnSwapIn (always copies);
+    with one it is SnCacheOut/SnCacheIn, which copy only under pressure."""
     producer, _, port_text = recipe.tensor.rpartition(":")
     port = int(port_text)
     source = _node(nodes, producer)
-    swap_out = _new_node(out, names.swap_out_name(producer, port), names.SWAP_OUT_OP,
+    cached = cache_budget is not None
+    swap_out = _new_node(out, names.swap_out_name(producer, port),
+                         names.CACHE_OUT_OP if cached else names.SWAP_OUT_OP,
                          [recipe.tensor if port else producer], source.device,
                          recipe.dtype, names.ROLE_SWAP_OUT)
+    if cached:
+        swap_out.attr["budget"].i = int(cache_budget)
+        swap_out.attr["uses"].i = len(recipe.groups)
+    for reader in recipe.forward_readers:
+        _node(nodes, reader).input.append("^" + swap_out.name)
     for j, group in enumerate(recipe.groups):
         _node(nodes, group.trigger)
-        swap_in = _new_node(out, names.swap_in_name(producer, port, j), names.SWAP_IN_OP,
+        swap_in = _new_node(out, names.swap_in_name(producer, port, j),
+                            names.CACHE_IN_OP if cached else names.SWAP_IN_OP,
                             [swap_out.name, "^" + group.trigger], source.device,
                             recipe.dtype, names.ROLE_SWAP_IN)
+        if cached:
+            _set_shape(swap_in.attr["shape"].shape, recipe.shape)
         for consumer, slot in group.consumers:
             _set_data_input(_node(nodes, consumer), slot, swap_in.name)
+
+
+def _set_shape(proto, shape) -> None:
+    """Fills a TensorShapeProto: None is an unknown rank, -1 an unknown dim."""
+    if shape is None:
+        proto.unknown_rank = True
+        return
+    for d in shape:
+        proto.dim.add().size = int(d)
 
 
 def _new_node(out, name: str, op: str, inputs: list, device: str, dtype: int, role: str):

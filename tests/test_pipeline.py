@@ -322,6 +322,7 @@ def test_plan_to_json_round_trips():
         "notes": ["n1", "n2"],
         "recomputes": [],
         "swaps": [],
+        "cache_budget": None,
     }
     rebuilt = planner.Plan(
         policy=loaded["policy"],

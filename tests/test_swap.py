@@ -130,6 +130,31 @@ def test_rewrite_adds_swap_nodes_and_lowers_the_predicted_peak():
     assert new_idx.sntf_nodes
 
 
+def test_with_a_budget_swaps_go_through_the_tensor_cache():
+    g, props, idx, facts, plan = swap_plan()
+    plan = planner.Plan("swap", plan.decisions, swaps=tuple(
+        planner.Swap(s.tensor, s.dtype, s.groups, shape=(-1, 3)) for s in plan.swaps),
+        cache_budget=10 * MIB)
+    out = rewrite.apply_plan(g, plan).graph_def
+    by_op = {n.op: n for n in out.node}
+    cache_out, cache_in = by_op[names.CACHE_OUT_OP], by_op[names.CACHE_IN_OP]
+    assert "SnSwapOut" not in by_op and "SnSwapIn" not in by_op
+    assert cache_out.attr["uses"].i == len(plan.swaps[0].groups)
+    assert [d.size for d in cache_in.attr["shape"].shape.dim] == [-1, 3]
+    assert names.role_of(cache_in) == names.ROLE_SWAP_IN
+    # The run-time threshold: budget - planned peak + planned live at the
+    # swap-out's step (the headroom left to cached tensors).
+    new_idx = G.build_index(out, ["ret"])
+    new_facts = analysis.analyze(new_idx, pipeline._with_generated(props, new_idx))
+    step = new_facts.schedule.index(new_idx.node(cache_out.name))
+    for budget in (10 * MIB, new_facts.predicted_peak_bytes // 2):
+        tuned = pipeline._cache_thresholds(out, new_idx, new_facts, budget)
+        (node,) = [n for n in tuned.node if n.op == names.CACHE_OUT_OP]
+        expected = budget - new_facts.predicted_peak_bytes + new_facts.timeline.device_bytes[step]
+        assert node.attr["budget"].i == max(0, expected)
+    assert "every swap copies" in pipeline._cache_note(new_facts, 1)
+
+
 def test_swap_source_parses_only_sntf_names():
     assert names.swap_source(names.swap_in_name("a/b", 2, 3)) == ("a/b", 2)
     assert names.swap_source(names.swap_out_name("a/b", 0)) == ("a/b", 0)

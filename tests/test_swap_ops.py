@@ -205,3 +205,101 @@ def test_tensor_above_4gib_roundtrips(fresh_python):
     assert r["head"] == [7] * 16
     assert r["end"] == [i % 251 for i in range(64)]
     assert r["middle"] == [7] * 8 + [0, 1, 2, 3, 4, 5, 6, 7]
+
+
+# ------------------------------------------------------------- tensor cache
+CACHE_LRU = """
+import json, os
+os.environ.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPU_ALLOCATOR_USE_BFC="true")
+import numpy as np
+import tensorflow as tf
+import sntf
+from sntf import ops
+
+MIB = 1 << 20
+n = 4 * MIB // 4
+stats = lambda: sntf.stats()["swap"]
+a = tf.random.uniform([n], seed=1)
+budget = tf.config.experimental.get_memory_info("CPU:0")["current"] + 10 * MIB
+steps = []
+ta = ops.cache_out(a, budget)            # live + 4 MiB fits: kept
+steps.append(stats())
+b = tf.random.uniform([n], seed=2)       # live grows by 4 MiB
+tb = ops.cache_out(b, budget)            # live + 4 MiB still fits: kept
+steps.append(stats())
+c = tf.random.uniform([n], seed=3)
+tc = ops.cache_out(c, budget)            # over: the oldest (a) goes to host
+steps.append(stats())
+back = [ops.cache_in(t, tf.float32, [n]) for t in (ta, tb, tc)]
+steps.append(stats())
+equal = [bool(np.array_equal(x.numpy(), y.numpy())) for x, y in zip(back, (a, b, c))]
+twice = ops.cache_out(a, 1 << 40, uses=2)
+first = ops.cache_in(twice, tf.float32, [n])
+second = ops.cache_in(twice, tf.float32, [n])
+try:
+    ops.cache_in(twice, tf.float32, [n])
+    third = "no error"
+except tf.errors.InternalError as e:
+    third = str(e)
+steps.append(stats())
+print("RESULT " + json.dumps({"steps": steps, "equal": equal, "third": third,
+      "reuse": bool(np.array_equal(second.numpy(), a.numpy()))}))
+"""
+
+
+def test_tensor_cache_keeps_under_budget_and_evicts_least_recent(fresh_python):
+    r = fresh_python(CACHE_LRU).result()
+    kept_a, kept_b, evicted, back, reused = r["steps"]
+    mib4 = 4 << 20
+    assert (kept_a["cache_entries"], kept_a["cached_device_bytes"], kept_a["bytes_to_host"]) == (
+        1, mib4, 0)
+    assert (kept_b["cache_entries"], kept_b["cached_device_bytes"], kept_b["bytes_to_host"]) == (
+        2, 2 * mib4, 0)
+    assert evicted["cache_evictions"] == 1 and evicted["bytes_to_host"] == mib4
+    assert evicted["cached_device_bytes"] == 2 * mib4          # b and c
+    # a comes back from the host (a miss), b and c are hits with no transfer.
+    assert (back["cache_misses"], back["cache_hits"], back["bytes_to_device"]) == (1, 2, mib4)
+    assert back["cache_entries"] == 0 and back["cached_device_bytes"] == 0
+    assert r["equal"] == [True, True, True] and r["reuse"]
+    # A ticket serves exactly `uses` swap-ins.
+    assert "ticket" in r["third"] and "unknown" in r["third"]
+    assert reused["cache_hits"] == 4 and reused["cache_entries"] == 0
+
+
+def test_tensor_cache_without_allocator_stats_always_copies(fresh_python):
+    # The default oneDNN CPU allocator may or may not keep stats; with
+    # TF_ENABLE_ONEDNN_OPTS=0 and no BFC it keeps none: the cache must copy.
+    r = fresh_python("""
+        import json, os
+        os.environ.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPU_ALLOCATOR_USE_BFC="false")
+        import numpy as np
+        import tensorflow as tf
+        import sntf
+        from sntf import ops
+        a = tf.random.uniform([1024], seed=1)
+        y = ops.cache_in(ops.cache_out(a, 1 << 40), tf.float32, [1024])
+        print("RESULT " + json.dumps({"swap": sntf.stats()["swap"],
+              "equal": bool(np.array_equal(y.numpy(), a.numpy()))}))
+    """).result()
+    assert r["equal"]
+    assert r["swap"]["cache_no_stats"] == 1 and r["swap"]["cache_misses"] == 1
+    assert r["swap"]["bytes_to_host"] == 4096
+
+
+def test_cache_ops_shapes_and_registry():
+    import tensorflow as tf
+    from tensorflow.python.framework import kernels
+
+    @tf.function
+    def f(x):
+        y = ops.cache_in(ops.cache_out(x, 1 << 40), tf.float32, [None, 3])
+        assert y.shape.as_list() == [None, 3]
+        return y
+
+    x = tf.ones([2, 3])
+    assert np.array_equal(f(x).numpy(), x.numpy())
+    for op in ("SnCacheOut", "SnCacheIn"):
+        registered = kernels.get_registered_kernels_for_op(op).kernel
+        devices = {k.device_type: list(k.host_memory_arg) for k in registered}
+        assert set(devices) == {"CPU", "GPU"}, devices
+        assert devices["GPU"] == ["ticket"]

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "host_pool.h"
+#include "swap_common.h"
 #include "tensorflow/core/common_runtime/device.h"
 #include "tensorflow/core/framework/allocator.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
@@ -27,15 +28,6 @@
 #include "tensorflow/core/framework/tensor.h"
 
 namespace sntf {
-
-// Counters shown by sntf.stats(); relaxed atomics are enough for statistics.
-struct SwapCounters {
-  std::atomic<uint64_t> swap_out_ops{0};
-  std::atomic<uint64_t> swap_in_ops{0};
-  std::atomic<uint64_t> bytes_to_host{0};
-  std::atomic<uint64_t> bytes_to_device{0};
-  std::atomic<uint64_t> failed_ops{0};
-};
 
 SwapCounters& Counters() {
   static SwapCounters* counters = new SwapCounters();  // never destroyed
@@ -280,18 +272,21 @@ REGISTER_KERNEL_BUILDER(Name("SnSwapIn")
 extern "C" {
 
 // Fills out[0..n) with: swap_out_ops, swap_in_ops, bytes_to_host,
-// bytes_to_device, failed_ops. Returns how many values were written.
+// bytes_to_device, failed_ops, cache_hits, cache_misses, cache_evictions,
+// cache_no_stats. Returns how many values were written.
 __attribute__((visibility("default"))) int sntf_swap_stats(uint64_t* out,
                                                            int n) {
   if (out == nullptr || n <= 0) return 0;
+  const sntf::SwapCounters& c = sntf::Counters();
   const uint64_t values[] = {
-      sntf::Counters().swap_out_ops.load(),
-      sntf::Counters().swap_in_ops.load(),
-      sntf::Counters().bytes_to_host.load(),
-      sntf::Counters().bytes_to_device.load(),
-      sntf::Counters().failed_ops.load(),
+      c.swap_out_ops.load(),    c.swap_in_ops.load(),
+      c.bytes_to_host.load(),   c.bytes_to_device.load(),
+      c.failed_ops.load(),      c.cache_hits.load(),
+      c.cache_misses.load(),    c.cache_evictions.load(),
+      c.cache_no_stats.load(),
   };
-  const int count = n < 5 ? n : 5;
+  const int total = sizeof(values) / sizeof(values[0]);
+  const int count = n < total ? n : total;
   for (int i = 0; i < count; ++i) out[i] = values[i];
   return count;
 }

@@ -88,6 +88,8 @@ def _parser():
                         "prefetching (repeatable peaks); arrays: model.fit(x, y)")
     parser.add_argument("--recompute-mode", default=None,
                         choices=("auto", "speed", "memory"))
+    parser.add_argument("--budget", default=None,
+                        help="sntf budget (bytes or a size string such as 64MiB)")
     parser.add_argument("--remat", default=None, choices=("remat_scope", "recompute_grad"),
                         help="the user's alternative (changes the model code): "
                         "keras.RematScope(mode='full') or tf.recompute_grad per block")
@@ -125,7 +127,8 @@ def _run(args):
         from sntf import models
 
         options = {"recompute_mode": args.recompute_mode} if args.recompute_mode else {}
-        sntf.enable(policy=args.policy, batch_size=args.batch, **options)
+        budget = int(args.budget) if args.budget and args.budget.isdigit() else args.budget
+        sntf.enable(policy=args.policy, budget=budget, batch_size=args.batch, **options)
     else:
         models = _models_without_sntf()
     device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
@@ -179,6 +182,7 @@ def _run(args):
         "steps": args.steps,
         "policy": args.policy,
         "recompute_mode": args.recompute_mode,
+        "budget": args.budget,
         "remat": args.remat,
         "executor": args.executor,
         "device": device,
@@ -241,7 +245,7 @@ def main(argv=None):
 
 def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
             timeout=900, repeats=1, executor="default", input="dataset",
-            recompute_mode=None, remat=None):
+            recompute_mode=None, remat=None, budget=None):
     """Runs this worker in a fresh Python process (sys.executable) and returns
     its result dict, with wall_seconds added.
 
@@ -259,7 +263,7 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
     if repeats > 1:
         runs = [measure(family, batch, steps, policy, depth, seed, timeout,
                         executor=executor, input=input,
-                        recompute_mode=recompute_mode, remat=remat)
+                        recompute_mode=recompute_mode, remat=remat, budget=budget)
                 for _ in range(repeats)]
         peaks = [r["measured_peak_bytes"] for r in runs]
         chosen = dict(sorted(runs, key=lambda r: r["measured_peak_bytes"])[len(runs) // 2])
@@ -276,6 +280,8 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
         command += ["--recompute-mode", recompute_mode]
     if remat is not None:
         command += ["--remat", remat]
+    if budget is not None:
+        command += ["--budget", str(budget)]
     env = dict(os.environ)
     env.update(MEASURE_ENV)
     for name in ("SNTF_POLICY", "SNTF_BUDGET"):  # the worker decides the policy
