@@ -90,7 +90,8 @@ REMAT_OPTIONS = (None, "remat_scope", "recompute_grad")
 
 
 def build(family: str, depth: int | None = None, *, learning_rate: float = 1e-3,
-          metrics=None, jit_compile="auto", remat: str | None = None, **kw):
+          metrics=None, jit_compile="auto", remat: str | None = None,
+          run_eagerly: bool = False, **kw):
     """Builds and compiles one model of `family`.
 
     Args:
@@ -106,6 +107,9 @@ def build(family: str, depth: int | None = None, *, learning_rate: float = 1e-3,
         keras.RematScope(mode="full")) or "recompute_grad" (each block of
         vgg/resnet/densenet wrapped in tf.recompute_grad: a VGG stage, a
         residual block, a dense layer).
+      run_eagerly: passed to compile (RematScope's custom gradients accept
+        keyword arguments only when run eagerly, in Keras 3.15's TensorFlow
+        backend).
       **kw: family-specific size options: mlp(width=1024),
         vgg(channels=(32, 64, 128)), resnet(channels=(16, 32, 64)),
         densenet(growth=12, stem=24), transformer(dim=128, heads=4, ff=256,
@@ -156,7 +160,7 @@ def build(family: str, depth: int | None = None, *, learning_rate: float = 1e-3,
         sys.setrecursionlimit(limit)
     model.compile(optimizer=keras.optimizers.Adam(learning_rate),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=metrics, jit_compile=jit_compile)
+                  metrics=metrics, jit_compile=jit_compile, run_eagerly=run_eagerly)
     return model
 
 

@@ -223,11 +223,13 @@ def memcpy_bandwidth() -> float:
     return _memcpy_rate[0]
 
 
-def _stage_plan(kind: str, index: graph.GraphIndex, facts, props,
+def _stage_plan(kind: str, graph_def, index: graph.GraphIndex, facts, props,
                 state: config.State) -> planner.Plan:
     """One planning stage ("recompute" or "swap") on an analyzed graph."""
     protected = frozenset(index.fetch) | frozenset(index.preserve)
     if kind == "recompute":
+        if state.options.recompute_mode == "auto":
+            return _auto_recompute(graph_def, index, facts, props, protected)
         return planner.plan_recompute(index, facts, state.options.recompute_mode,
                                       protected)
     dtypes, shapes = {}, {}
@@ -242,6 +244,56 @@ def _stage_plan(kind: str, index: graph.GraphIndex, facts, props,
     return planner.plan_swap(index, facts, dtypes, state.options.swap_min_bytes,
                              _link_bandwidth(state, index), protected, shapes,
                              cache_budget)
+
+
+def _auto_recompute(graph_def, index: graph.GraphIndex, facts, props,
+                    protected: frozenset) -> planner.Plan:
+    """Superneurons' cost-aware rule on the planned timeline.
+
+    Every segment starts speed-centric (one recomputation, kept through its
+    backward readers). The speed plan is analyzed; the segments whose clones
+    are live at its planned peak are switched to memory-centric (one
+    recomputation per reader, freed right after), which is kept only if the
+    planned peak falls.
+    """
+    speed = planner.plan_recompute(index, facts, "speed", protected)
+    if not speed.recomputes:
+        return dataclasses.replace(speed, notes=("recompute (auto): nothing to recompute",))
+    planned = _planned(speed, graph_def, index, facts, props)
+    if planned is None:
+        return speed
+    new_index, new_facts = planned
+    peak = new_facts.peak_step
+    at_peak = set()
+    for b, (start, end) in new_facts.intervals.items():
+        source = names.recompute_source(new_index.names[b[0]])
+        if source and start <= peak <= end:
+            at_peak.add(source)
+    memory_tensors = frozenset(r.tensor for r in speed.recomputes
+                               if any(node in at_peak for node in r.chain))
+    note = f"recompute (auto): {len(speed.recomputes)} tensor(s), speed-centric"
+    if memory_tensors:
+        mixed = planner.plan_recompute(index, facts, "speed", protected, memory_tensors)
+        mixed_planned = _planned(mixed, graph_def, index, facts, props)
+        if (mixed_planned is not None and mixed_planned[1].predicted_peak_bytes
+                < new_facts.predicted_peak_bytes):
+            note += (f", {len(memory_tensors)} live at the planned peak made "
+                     "memory-centric")
+            return dataclasses.replace(mixed, notes=(note,))
+    return dataclasses.replace(speed, notes=(note,))
+
+
+def _planned(plan: planner.Plan, graph_def, index: graph.GraphIndex, facts, props):
+    """(index, analysis) of the graph `plan` would produce, or None if it
+    changes nothing."""
+    result = rewrite.apply_plan(graph_def, plan)
+    if not result.modified:
+        return None
+    new_index = graph.build_index(result.graph_def,
+                                  [index.names[i] for i in index.fetch],
+                                  [index.names[i] for i in index.preserve])
+    return new_index, analysis.analyze(new_index, _with_generated(props, new_index),
+                                       batch=facts.batch)
 
 
 STAGES = {"recompute": ("recompute",), "swap": ("swap",),
@@ -270,7 +322,7 @@ def _best_rewrite(graph_def, index: graph.GraphIndex, facts, props,
     modified = False
     for kind in stages:
         with _timed(report, f"plan_{kind}"):
-            plan = _stage_plan(kind, current_index, current_facts,
+            plan = _stage_plan(kind, current, current_index, current_facts,
                                _with_generated(props, current_index), state)
         with _timed(report, f"rewrite_{kind}"):
             result = rewrite.apply_plan(current, plan)

@@ -3,6 +3,7 @@ with "swap" and "swap+recompute" on the six model families (fresh processes);
 a 200-step soak without pool or peak growth."""
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -11,6 +12,9 @@ from conftest import WORKERS
 from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder
 from sntf import analysis, names, pipeline, planner, rewrite
 from sntf import graph as G
+
+sys.path.insert(0, WORKERS)
+import measure_peak  # noqa: E402  (tests/workers)
 
 MIB = 1 << 20
 
@@ -237,3 +241,24 @@ def test_pool_soak_200_steps_no_growth(fresh_python):
     # The same swaps run every step.
     per_step = {(outs[i] - outs[i - 1], ins[i] - ins[i - 1]) for i in range(1, 200)}
     assert len(per_step) == 1 and per_step.pop()[0] > 0
+
+
+@pytest.mark.slow
+def test_tensor_cache_moves_nothing_above_baseline_and_fits_half_of_it():
+    def run(**kw):
+        return measure_peak.measure("resnet", 32, steps=2, depth=8, **kw)
+
+    base = run(policy="none")["measured_peak_bytes"]
+    roomy = run(policy="swap+recompute", budget=2 * base)
+    swap = roomy["sntf_stats"]["swap"]
+    # Above the baseline peak every swapped tensor stays cached: no bytes move.
+    assert swap["swap_out_ops"] > 0 and swap["swap_in_ops"] > 0
+    assert swap["bytes_to_host"] == 0 and swap["bytes_to_device"] == 0
+    assert swap["cache_hits"] == swap["swap_in_ops"] and swap["cache_misses"] == 0
+    tight_budget = base // 2
+    tight = run(policy="swap+recompute", budget=tight_budget)
+    swap = tight["sntf_stats"]["swap"]
+    assert swap["bytes_to_host"] > 0 and swap["cache_misses"] > 0
+    assert tight["measured_peak_bytes"] <= tight_budget, (tight["measured_peak_bytes"],
+                                                          tight_budget, base)
+    assert tight["losses"] == roomy["losses"]

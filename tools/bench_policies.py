@@ -11,12 +11,16 @@ processes (tests/workers/measure_peak.py), one per configuration.
 --suite recompute:
   TensorFlow                 the unchanged model, sntf not imported
   RematScope(mode="full")    the model built inside keras.RematScope (a
-                             model-code change)
+                             model-code change); in graph mode Keras 3.15's
+                             TensorFlow backend rejects it, so it also runs
+                             with compile(run_eagerly=True)
   tf.recompute_grad / block  each block wrapped in tf.recompute_grad (a
                              model-code change)
   sntf speed / memory / auto policy "recompute" with that mode, unchanged model
 --suite swap:
-  TensorFlow, sntf recompute (auto), sntf swap, sntf swap+recompute
+  TensorFlow, sntf recompute (auto), sntf swap, sntf swap+recompute, and
+  swap+recompute with a budget of half TensorFlow's measured peak (the
+  run-time tensor cache keeps what fits and copies the rest)
 
 It tabulates the CPU:0 device peak and the median step time (steps after
 the first), each with its ratio to TensorFlow's, sntf's planned peak and
@@ -53,6 +57,8 @@ MIB = float(1 << 20)
 SUITES = {"recompute": (
     ("TensorFlow", dict(policy="none")),
     ('RematScope(mode="full")', dict(policy="none", remat="remat_scope")),
+    ('RematScope(mode="full"), run eagerly', dict(policy="none", remat="remat_scope",
+                                                  eager=True)),
     ("tf.recompute_grad / block", dict(policy="none", remat="recompute_grad")),
     ("sntf speed", dict(policy="recompute", recompute_mode="speed")),
     ("sntf memory", dict(policy="recompute", recompute_mode="memory")),
@@ -62,6 +68,7 @@ SUITES = {"recompute": (
     ("sntf recompute", dict(policy="recompute", recompute_mode="auto")),
     ("sntf swap", dict(policy="swap")),
     ("sntf swap+recompute", dict(policy="swap+recompute")),
+    ("sntf swap+recompute, budget 0.5x TF", dict(policy="swap+recompute", budget=0.5)),
 )}
 
 
@@ -85,7 +92,8 @@ def _model(spec: str):
 
 HEADER = ["model", "configuration", "device peak (MiB)", "peak / TF", "step (ms)",
           "step / TF", "planned peak (MiB)", "planned / measured"]
-SWAP_HEADER = ["host pool peak (MiB)", "to host / step (MiB)", "to device / step (MiB)"]
+SWAP_HEADER = ["host pool peak (MiB)", "to host / step (MiB)", "to device / step (MiB)",
+               "cache hit rate"]
 
 
 def _row(spec, label, result, base, swap_columns):
@@ -102,9 +110,11 @@ def _row(spec, label, result, base, swap_columns):
         stats = result.get("sntf_stats") or {}
         pool, swap = stats.get("pool", {}), stats.get("swap", {})
         steps = result["steps"]
+        lookups = swap.get("cache_hits", 0) + swap.get("cache_misses", 0)
         cells += [f"{pool.get('peak_bytes_in_use', 0) / MIB:.1f}",
                   f"{swap.get('bytes_to_host', 0) / steps / MIB:.1f}",
-                  f"{swap.get('bytes_to_device', 0) / steps / MIB:.1f}"]
+                  f"{swap.get('bytes_to_device', 0) / steps / MIB:.1f}",
+                  f"{swap['cache_hits'] / lookups:.2f}" if lookups else "no cache"]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -118,6 +128,10 @@ def main(argv):
         family, depth = _model(spec)
         base = None
         for label, options in SUITES[FLAGS.suite]:
+            options = dict(options)
+            if isinstance(options.get("budget"), float):
+                # A fraction of TensorFlow's measured peak, in bytes.
+                options["budget"] = int(options["budget"] * base["measured_peak_bytes"])
             try:
                 result = measure_peak.measure(family, FLAGS.batch, steps=FLAGS.steps,
                                               depth=depth, repeats=FLAGS.repeats,

@@ -93,6 +93,8 @@ def _parser():
     parser.add_argument("--remat", default=None, choices=("remat_scope", "recompute_grad"),
                         help="the user's alternative (changes the model code): "
                         "keras.RematScope(mode='full') or tf.recompute_grad per block")
+    parser.add_argument("--eager", action="store_true",
+                        help="compile(run_eagerly=True): no graph, so no sntf pass")
     parser.add_argument("--out", default=None)
     return parser
 
@@ -133,7 +135,8 @@ def _run(args):
         models = _models_without_sntf()
     device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
     keras.utils.set_random_seed(args.seed)
-    model = models.build(args.family, args.depth, remat=args.remat)
+    model = models.build(args.family, args.depth, remat=args.remat,
+                         run_eagerly=args.eager)
     x, y = models.make_data(args.family, args.steps * args.batch, seed=args.seed)
 
     # Place the data on the device before fit, so that bytes_before_fit holds
@@ -183,6 +186,7 @@ def _run(args):
         "policy": args.policy,
         "recompute_mode": args.recompute_mode,
         "budget": args.budget,
+        "eager": args.eager,
         "remat": args.remat,
         "executor": args.executor,
         "device": device,
@@ -245,7 +249,7 @@ def main(argv=None):
 
 def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
             timeout=900, repeats=1, executor="default", input="dataset",
-            recompute_mode=None, remat=None, budget=None):
+            recompute_mode=None, remat=None, budget=None, eager=False):
     """Runs this worker in a fresh Python process (sys.executable) and returns
     its result dict, with wall_seconds added.
 
@@ -263,7 +267,8 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
     if repeats > 1:
         runs = [measure(family, batch, steps, policy, depth, seed, timeout,
                         executor=executor, input=input,
-                        recompute_mode=recompute_mode, remat=remat, budget=budget)
+                        recompute_mode=recompute_mode, remat=remat, budget=budget,
+                        eager=eager)
                 for _ in range(repeats)]
         peaks = [r["measured_peak_bytes"] for r in runs]
         chosen = dict(sorted(runs, key=lambda r: r["measured_peak_bytes"])[len(runs) // 2])
@@ -282,6 +287,8 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
         command += ["--remat", remat]
     if budget is not None:
         command += ["--budget", str(budget)]
+    if eager:
+        command += ["--eager"]
     env = dict(os.environ)
     env.update(MEASURE_ENV)
     for name in ("SNTF_POLICY", "SNTF_BUDGET"):  # the worker decides the policy
