@@ -57,7 +57,9 @@ def train(policy, batch, steps):
     if policy != "none":
         import sntf
 
-        sntf.enable(policy=policy)
+        # Keras traces the step with an unknown batch dimension; batch_size
+        # gives the planner byte sizes (swap thresholds are in bytes).
+        sntf.enable(policy=policy, batch_size=batch)
     keras.utils.set_random_seed(0)
     model = build_model(keras)
     model.compile(optimizer="adam",

@@ -66,3 +66,16 @@ def run_python(code=None, args=None, env=None, timeout=600, cwd=None):
 @pytest.fixture
 def fresh_python():
     return run_python
+
+
+def train_family(fresh_python, out, family, *flags, steps=3, batch=8):
+    """Trains a family of sntf.models with tests/workers/train_keras.py in a
+    fresh process; returns (its RESULT dict, {weight name: array})."""
+    import numpy as np
+
+    run = fresh_python(args=[os.path.join(WORKERS, "train_keras.py"), "--family",
+                             family, "--batch", str(batch), "--steps", str(steps),
+                             "--out", str(out), *flags])
+    result = run.result()
+    with np.load(out) as data:
+        return result, {k: data[k].copy() for k in data.files}

@@ -1,12 +1,9 @@
 """Recomputation: plan and rewrite on a hand-built step; bit-identical training
 with every mode on the six model families (fresh processes)."""
 
-import os
-
-import numpy as np
 import pytest
 
-from conftest import WORKERS
+from conftest import train_family
 from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder
 from sntf import analysis, config, names, pipeline, planner, rewrite
 from sntf import graph as G
@@ -190,22 +187,13 @@ def test_unknown_mode_is_rejected():
         plan_for("fast")
 
 
-def _train(fresh_python, out, family, *flags):
-    run = fresh_python(args=[os.path.join(WORKERS, "train_keras.py"), "--family",
-                             family, "--batch", "8", "--steps", "3", "--out",
-                             str(out), *flags])
-    result = run.result()
-    with np.load(out) as data:
-        return result, {k: data[k].copy() for k in data.files}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["mlp", "vgg", "resnet", "densenet",
                                     "transformer", "mobilenet"])
 def test_every_mode_trains_bit_identically(fresh_python, tmp_path, family):
-    base, weights = _train(fresh_python, tmp_path / "base.npz", family)
+    base, weights = train_family(fresh_python, tmp_path / "base.npz", family)
     for mode in ("speed", "memory", "auto"):
-        result, got = _train(fresh_python, tmp_path / f"{mode}.npz", family,
+        result, got = train_family(fresh_python, tmp_path / f"{mode}.npz", family,
                              "--sntf", "recompute", "--recompute-mode", mode)
         assert result["losses"] == base["losses"], (family, mode)
         for k in weights:

@@ -2,13 +2,11 @@
 with "swap" and "swap+recompute" on the six model families (fresh processes);
 a 200-step soak without pool or peak growth."""
 
-import os
 import sys
 
-import numpy as np
 import pytest
 
-from conftest import WORKERS
+from conftest import WORKERS, train_family
 from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder
 from sntf import analysis, names, pipeline, planner, rewrite
 from sntf import graph as G
@@ -166,23 +164,14 @@ def test_swap_source_parses_only_sntf_names():
     assert names.swap_source("sntf/swap_in/x") is None
 
 
-def _train(fresh_python, out, family, *flags, steps=3):
-    run = fresh_python(args=[os.path.join(WORKERS, "train_keras.py"), "--family",
-                             family, "--batch", "8", "--steps", str(steps), "--out",
-                             str(out), *flags])
-    result = run.result()
-    with np.load(out) as data:
-        return result, {k: data[k].copy() for k in data.files}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["mlp", "vgg", "resnet", "densenet",
                                     "transformer", "mobilenet"])
 def test_swap_policies_train_bit_identically(fresh_python, tmp_path, family):
-    base, weights = _train(fresh_python, tmp_path / "base.npz", family)
+    base, weights = train_family(fresh_python, tmp_path / "base.npz", family)
     for policy in ("swap", "swap+recompute"):
         # At batch 8 the activations are small: a 4 KiB threshold swaps them.
-        result, got = _train(fresh_python, tmp_path / "p.npz", family,
+        result, got = train_family(fresh_python, tmp_path / "p.npz", family,
                              "--sntf", policy, "--swap-min-bytes", "4096")
         assert result["losses"] == base["losses"], (family, policy)
         for k in weights:
