@@ -22,10 +22,16 @@ _ops_cdll: Optional[ctypes.CDLL] = None
 POOL_STAT_NAMES = ("bytes_in_use", "peak_bytes_in_use", "bytes_reserved",
                    "peak_bytes_reserved", "limit_bytes", "num_allocs",
                    "num_frees", "active_allocs", "num_failed_allocs",
-                   "largest_free_block", "free_bytes", "num_regions")
+                   "largest_free_block", "free_bytes", "num_regions",
+                   "pinned_regions", "pinned_bytes", "pin_failures")
 SWAP_STAT_NAMES = ("swap_out_ops", "swap_in_ops", "bytes_to_host",
                    "bytes_to_device", "failed_ops", "cache_hits", "cache_misses",
                    "cache_evictions", "cache_no_stats")
+
+
+# Page-locking hooks of the host pool (int pin(void*, uint64), void unpin(void*)).
+PIN_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64)
+UNPIN_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
 def _find(stem: str) -> str:
@@ -62,6 +68,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sntf_pool_reset_peak": (None, [vp]),
         "sntf_pool_stats": (ctypes.c_int, [vp, ptr64, ctypes.c_int]),
         "sntf_pool_fragmentation": (ctypes.c_double, [vp]),
+        "sntf_pool_set_pin_hooks": (None, [vp, PIN_FN, UNPIN_FN]),
+        "sntf_gpu_pinning": (ctypes.c_int, []),
         "sntf_swap_stats": (ctypes.c_int, [ptr64, ctypes.c_int]),
         "sntf_cache_clear": (ctypes.c_int64, []),
         "sntf_cache_gauges": (ctypes.c_int, [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]),

@@ -38,6 +38,9 @@ STAT_NAMES = (
     "largest_free_block",
     "free_bytes",
     "num_regions",
+    "pinned_regions",
+    "pinned_bytes",
+    "pin_failures",
 )
 
 _vp, _u64 = ctypes.c_void_p, ctypes.c_uint64
@@ -53,7 +56,10 @@ SIGNATURES = {
     "sntf_pool_reset_peak": ([_vp], None),
     "sntf_pool_stats": ([_vp, ctypes.POINTER(_u64), ctypes.c_int], ctypes.c_int),
     "sntf_pool_fragmentation": ([_vp], ctypes.c_double),
+    "sntf_pool_set_pin_hooks": ([_vp, ctypes.c_void_p, ctypes.c_void_p], None),
 }
+PIN_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64)
+UNPIN_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
 def round_up(n):
@@ -478,7 +484,7 @@ def test_null_pool_is_tolerated(lib):
 def test_stats_count_and_error_buffer_truncation(make_pool):
     pool = make_pool(1 * MiB)
     out = (_u64 * 20)()
-    assert pool.lib.sntf_pool_stats(pool.h, out, 20) == 12
+    assert pool.lib.sntf_pool_stats(pool.h, out, 20) == len(STAT_NAMES)
     assert pool.lib.sntf_pool_stats(pool.h, out, 5) == 5
     assert pool.lib.sntf_pool_stats(pool.h, out, 0) == 0
     err = ctypes.create_string_buffer(b"\xff" * 16, 16)
@@ -806,3 +812,52 @@ def test_global_pool_limit_from_environment(lib_path):
         assert limit == phys, f"malformed {bad!r} changed the limit to {limit}"
         warnings = [l for l in stderr.splitlines() if "SNTF_HOST_POOL_LIMIT" in l]
         assert len(warnings) == 1 and bad in warnings[0], stderr
+
+
+def test_pin_hooks_pin_every_region_and_unpin_before_unmapping(make_pool, lib):
+    """The page-locking logic of GPU machines (cudaHostRegister), run on CPU
+    with recording hooks: every region is pinned once, also those mapped
+    before the hooks were installed, and unpinned before it is unmapped."""
+    pinned, unpinned = {}, []
+
+    def pin(base, size):
+        pinned[base] = size
+        return 0
+
+    def unpin(base):
+        unpinned.append(base)
+
+    pin_fn, unpin_fn = PIN_FN(pin), UNPIN_FN(unpin)
+    pool = make_pool(64 * MiB, initial=1 * MiB)
+    first, _ = pool.alloc(512 * KiB)                 # one region, before hooks
+    lib.sntf_pool_set_pin_hooks(pool.h, ctypes.cast(pin_fn, ctypes.c_void_p),
+                                ctypes.cast(unpin_fn, ctypes.c_void_p))
+    assert len(pinned) == 1
+    second, _ = pool.alloc(3 * MiB)                  # a new region, pinned on map
+    stats = pool.stats()
+    assert stats["pinned_regions"] == stats["num_regions"] == len(pinned) == 2
+    assert stats["pinned_bytes"] == stats["bytes_reserved"] == sum(pinned.values())
+    assert stats["pin_failures"] == 0
+    pool.free(second)
+    pool.free(first)
+    released = pool.trim()
+    assert released == sum(pinned.values())
+    assert sorted(unpinned) == sorted(pinned)
+    stats = pool.stats()
+    assert stats["pinned_regions"] == 0 and stats["pinned_bytes"] == 0
+
+
+def test_a_refused_pin_leaves_the_region_pageable(make_pool, lib):
+    refuse = PIN_FN(lambda base, size: 1)          # e.g. cudaErrorMemoryAllocation
+    never = UNPIN_FN(lambda base: pytest.fail("unpinned a region never pinned"))
+    pool = make_pool(64 * MiB)
+    lib.sntf_pool_set_pin_hooks(pool.h, ctypes.cast(refuse, ctypes.c_void_p),
+                                ctypes.cast(never, ctypes.c_void_p))
+    p, err = pool.alloc(2 * MiB)
+    assert p and not err
+    fill(p, 2 * MiB, 7)
+    assert intact(p, 2 * MiB, 7)
+    stats = pool.stats()
+    assert stats["pin_failures"] == 1 and stats["pinned_regions"] == 0
+    pool.free(p)
+    assert pool.trim() > 0

@@ -303,3 +303,11 @@ def test_cache_ops_shapes_and_registry():
         devices = {k.device_type: list(k.host_memory_arg) for k in registered}
         assert set(devices) == {"CPU", "GPU"}, devices
         assert devices["GPU"] == ["ticket"]
+
+
+def test_gpu_pinning_is_not_attempted_without_a_gpu_kernel():
+    # Pinning starts when a GPU kernel of the swap ops is built; on a CPU-only
+    # machine none is, and the pool stays ordinary pageable memory.
+    assert _native.ops_cdll().sntf_gpu_pinning() == 0
+    stats = _native.pool_stats()
+    assert stats["pinned_regions"] == 0 and stats["pin_failures"] == 0

@@ -82,7 +82,33 @@ HostPool::HostPool(uint64_t limit_bytes, uint64_t initial_region_bytes)
                                   : RoundDown(initial_region_bytes))) {}
 
 HostPool::~HostPool() {
-  for (const auto& region : regions_) UnmapRegion(region.first, region.second);
+  for (const auto& region : regions_) UnmapLocked(region.first, region.second);
+}
+
+void HostPool::PinLocked(uintptr_t base, uint64_t bytes) {
+  if (hooks_.pin == nullptr || pinned_.count(base) != 0) return;
+  if (hooks_.pin(reinterpret_cast<void*>(base), bytes) == 0) {
+    pinned_.insert(base);
+    stats_.pinned_regions += 1;
+    stats_.pinned_bytes += bytes;
+  } else {
+    stats_.pin_failures += 1;
+  }
+}
+
+void HostPool::UnmapLocked(uintptr_t base, uint64_t bytes) {
+  if (pinned_.erase(base) != 0) {
+    if (hooks_.unpin != nullptr) hooks_.unpin(reinterpret_cast<void*>(base));
+    stats_.pinned_regions -= 1;
+    stats_.pinned_bytes -= bytes;
+  }
+  UnmapRegion(base, bytes);
+}
+
+void HostPool::SetPinHooks(PinHooks hooks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  hooks_ = hooks;
+  for (const auto& region : regions_) PinLocked(region.first, region.second);
 }
 
 void* HostPool::Allocate(uint64_t bytes, std::string* error) {
@@ -156,6 +182,7 @@ int HostPool::GrowLocked(uint64_t rounded) {
   }
   last_region_bytes_ = size;
   stats_.bytes_reserved += size;
+  PinLocked(addr, size);
   NoteUsage();
   return kServed;
 }
@@ -276,7 +303,7 @@ size_t HostPool::Trim() {
     }
     free_.erase({chunk->second.size, chunk->first});
     chunks_.erase(chunk);
-    UnmapRegion(region->first, region->second);
+    UnmapLocked(region->first, region->second);
     stats_.bytes_reserved -= region->second;
     released += region->second;
     region = regions_.erase(region);

@@ -21,6 +21,13 @@
 
 namespace sntf {
 
+// Page-locks host memory for fast, asynchronous device copies (on a GPU:
+// cudaHostRegister / cudaHostUnregister). pin returns 0 on success.
+struct PinHooks {
+  int (*pin)(void* base, uint64_t bytes) = nullptr;
+  void (*unpin)(void* base) = nullptr;
+};
+
 struct HostPoolStats {
   uint64_t bytes_in_use = 0;
   uint64_t peak_bytes_in_use = 0;
@@ -34,6 +41,9 @@ struct HostPoolStats {
   uint64_t largest_free_block = 0;
   uint64_t free_bytes = 0;  // bytes_reserved - bytes_in_use
   uint64_t num_regions = 0;
+  uint64_t pinned_regions = 0;  // regions the pin hook accepted
+  uint64_t pinned_bytes = 0;
+  uint64_t pin_failures = 0;    // regions the pin hook refused (left pageable)
   // 1 - largest_free_block / free_bytes; 0 when free_bytes == 0.
   double fragmentation = 0.0;
 };
@@ -68,6 +78,10 @@ class HostPool {
   HostPoolStats GetStats() const;
   // Peaks restart from the current values.
   void ResetPeak();
+  // Pins every region, present and future, with `hooks`, and unpins each
+  // before it is unmapped. A region the hook refuses stays pageable (and is
+  // counted in pin_failures): allocations never fail for want of pinning.
+  void SetPinHooks(PinHooks hooks);
 
  private:
   struct Chunk {
@@ -93,6 +107,8 @@ class HostPool {
                              uint64_t rounded) const;
   uint64_t LargestFreeLocked() const;
   void NoteUsage();
+  void PinLocked(uintptr_t base, uint64_t bytes);
+  void UnmapLocked(uintptr_t base, uint64_t bytes);
 
   mutable std::mutex mu_;
   uint64_t limit_bytes_;
@@ -102,6 +118,8 @@ class HostPool {
   ChunkMap chunks_;
   FreeIndex free_;
   HostPoolStats stats_;  // counters only; derived fields filled by GetStats
+  PinHooks hooks_;
+  std::set<uintptr_t> pinned_;  // region bases the pin hook accepted
 };
 
 // Process-wide pool, created on first use and never destroyed so that

@@ -126,6 +126,7 @@ SNTF_POOL_API int sntf_pool_stats(void* pool, uint64_t* out, int n) {
         s.peak_bytes_reserved, s.limit_bytes,      s.num_allocs,
         s.num_frees,          s.active_allocs,     s.num_failed_allocs,
         s.largest_free_block, s.free_bytes,        s.num_regions,
+        s.pinned_regions,     s.pinned_bytes,      s.pin_failures,
     };
     const int count = static_cast<int>(sizeof(values) / sizeof(values[0]));
     const int written = n < count ? n : count;
@@ -134,6 +135,17 @@ SNTF_POOL_API int sntf_pool_stats(void* pool, uint64_t* out, int n) {
   } catch (...) {
     return 0;
   }
+}
+
+// Installs page-locking hooks (see sntf::PinHooks); null pointers remove them.
+SNTF_POOL_API void sntf_pool_set_pin_hooks(void* pool,
+                                           int (*pin)(void*, uint64_t),
+                                           void (*unpin)(void*)) {
+  if (pool == nullptr) return;
+  sntf::PinHooks hooks;
+  hooks.pin = pin;
+  hooks.unpin = unpin;
+  AsPool(pool)->SetPinHooks(hooks);
 }
 
 SNTF_POOL_API double sntf_pool_fragmentation(void* pool) {

@@ -34,6 +34,10 @@ tensorflow::Status AllocateParked(const tensorflow::Tensor& like,
 // Plain memory copy between two tensors of identical dtype and shape.
 void CopyBytes(const tensorflow::Tensor& from, tensorflow::Tensor* to);
 
+// Page-locks the host pool through the loaded CUDA runtime (once per
+// process); called when a GPU kernel of the swap ops is built.
+void EnableGpuPinning();
+
 }  // namespace sntf
 
 #endif  // SNTF_TF_OPS_SWAP_COMMON_H_

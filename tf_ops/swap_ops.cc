@@ -175,7 +175,9 @@ REGISTER_KERNEL_BUILDER(Name("SnSwapIn").Device(tensorflow::DEVICE_CPU),
 class SnSwapOutGpuOp : public tensorflow::AsyncOpKernel {
  public:
   explicit SnSwapOutGpuOp(tensorflow::OpKernelConstruction* ctx)
-      : AsyncOpKernel(ctx) {}
+      : AsyncOpKernel(ctx) {
+    EnableGpuPinning();
+  }
 
   void ComputeAsync(tensorflow::OpKernelContext* ctx,
                     DoneCallback done) override {
@@ -220,7 +222,9 @@ class SnSwapOutGpuOp : public tensorflow::AsyncOpKernel {
 class SnSwapInGpuOp : public tensorflow::AsyncOpKernel {
  public:
   explicit SnSwapInGpuOp(tensorflow::OpKernelConstruction* ctx)
-      : AsyncOpKernel(ctx) {}
+      : AsyncOpKernel(ctx) {
+    EnableGpuPinning();
+  }
 
   void ComputeAsync(tensorflow::OpKernelContext* ctx,
                     DoneCallback done) override {

@@ -70,6 +70,8 @@ class CpuMover : public Mover {
 
 class GpuMover : public Mover {
  public:
+  GpuMover() { EnableGpuPinning(); }
+
   Status ToHost(OpKernelContext* ctx, const Tensor& device,
                 Tensor* host) const override {
     if (device.TotalBytes() == 0) return tensorflow::OkStatus();
