@@ -100,6 +100,11 @@ NEVER_RECOMPUTE_OPS = frozenset({
     # the whole joined tensor in the backward pass (measured: DenseNet's
     # peak rose to 1.03x baseline with concatenations recomputed).
     "ConcatV2", "Concat",
+    # Paired with their gradient through a workspace: TensorFlow's oneDNN
+    # graph pass (on by default on x86) links MaxPoolGrad to the MaxPool that
+    # produced its input, and with a recomputed MaxPool that link closed a
+    # cycle ("nodes in a cycle" in a GradientTape loop).
+    "MaxPool", "MaxPoolV2", "MaxPool3D", "LRN",
 })
 
 

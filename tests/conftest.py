@@ -68,14 +68,20 @@ def fresh_python():
     return run_python
 
 
-def train_family(fresh_python, out, family, *flags, steps=3, batch=8):
-    """Trains a family of sntf.models with tests/workers/train_keras.py in a
-    fresh process; returns (its RESULT dict, {weight name: array})."""
+def train_worker(fresh_python, out, *args, steps=3, batch=8):
+    """Runs tests/workers/train_keras.py (args: --family F or --model M, and
+    flags) in a fresh process; returns (its RESULT dict, {weight: array})."""
     import numpy as np
 
-    run = fresh_python(args=[os.path.join(WORKERS, "train_keras.py"), "--family",
-                             family, "--batch", str(batch), "--steps", str(steps),
-                             "--out", str(out), *flags])
+    run = fresh_python(args=[os.path.join(WORKERS, "train_keras.py"), *args,
+                             "--batch", str(batch), "--steps", str(steps),
+                             "--out", str(out)])
     result = run.result()
     with np.load(out) as data:
         return result, {k: data[k].copy() for k in data.files}
+
+
+def train_family(fresh_python, out, family, *flags, steps=3, batch=8):
+    """train_worker for a family of sntf.models."""
+    return train_worker(fresh_python, out, "--family", family, *flags,
+                        steps=steps, batch=batch)

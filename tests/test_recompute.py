@@ -10,21 +10,24 @@ from sntf import graph as G
 
 
 def pool_step():
-    """h = x W; r = relu(h); p = maxpool(r); loss = sum(p); W -= lr x^T dh.
+    """h = x W; r = relu(h); p = sigmoid(r); loss = sum(p); W -= lr x^T dh.
 
-    The backward pass reads p (MaxPoolGrad), so p is kept from forward to
+    p stands for a pooling layer (its static shape is a quarter of r's), a
+    cheap op whose gradient reads its output; MaxPool itself is never
+    recomputed (see planner.NEVER_RECOMPUTE_OPS). The backward pass reads p
+    (SigmoidGrad), so p is kept from forward to
     backward unless it is recomputed from r, which the backward pass reads
     anyway."""
     b = GraphBuilder()
     (b.arg("x").arg("w", DT_RESOURCE).read("w_read", "w")
      .op("MatMul", "h", ["x", "w_read"], T=DT_FLOAT)
      .op("Relu", "r", ["h"], T=DT_FLOAT)
-     .op("MaxPool", "p", ["r"], T=DT_FLOAT)
+     .op("Sigmoid", "p", ["r"], T=DT_FLOAT)
      .const("axes", [0], DT_INT32)
      .op("Sum", "loss", ["p", "axes"], T=DT_FLOAT)
      .const("grad/ones", 1.0)
      .op("Mul", "grad/seed", ["grad/ones", "loss"], T=DT_FLOAT)
-     .op("MaxPoolGrad", "grad/pool", ["r", "p", "grad/seed"], T=DT_FLOAT)
+     .op("SigmoidGrad", "grad/pool", ["p", "grad/seed"], T=DT_FLOAT)
      .op("ReluGrad", "grad/relu", ["grad/pool", "r"], T=DT_FLOAT)
      .op("MatMul", "grad/w", ["x", "grad/relu"], T=DT_FLOAT, transpose_a=True)
      .const("lr", 0.1)
@@ -66,7 +69,7 @@ def test_plan_recomputes_the_pooled_tensor_from_the_kept_relu():
     recipe = plan.recomputes[0]
     assert recipe.chain == ("p",)            # r is read by backward: kept, not re-run
     assert recipe.groups == (planner.RecomputeGroup(
-        consumers=(("grad/pool", 1),), trigger="grad/seed"),)
+        consumers=(("grad/pool", 0),), trigger="grad/seed"),)
     decision = plan.decisions[0]
     assert decision.action == planner.RECOMPUTE and decision.bytes_saved == 1024
 
@@ -132,7 +135,7 @@ def test_rewrite_clones_holds_back_and_rewires():
     for clone, group in zip(clones, plan.recomputes[0].groups):
         assert names.recompute_source(clone.name) == "p"
         assert list(clone.input) == ["r", "^" + group.trigger]
-        assert clone.op == "MaxPool" and clone.attr["T"] == nodes["p"].attr["T"]
+        assert clone.op == "Sigmoid" and clone.attr["T"] == nodes["p"].attr["T"]
         for consumer, slot in group.consumers:
             data = [t for t in nodes[consumer].input if not t.startswith("^")]
             assert data[slot] == clone.name + ":0"

@@ -36,11 +36,33 @@ def build_model(name, keras):
     if name == "mlp":
         return keras.Sequential([keras.Input((32,)), layers.Dense(64, activation="relu"),
                                  layers.Dense(10)])
+    if name == "lstm":
+        # A while loop in the training graph (control flow).
+        return keras.Sequential([keras.Input((12, 8)), layers.LSTM(16),
+                                 layers.Dense(10)])
     raise ValueError(f"unknown model {name!r}")
 
 
 def input_shape(name):
-    return {"cnn": (16, 16, 3), "mlp": (32,)}[name]
+    return {"cnn": (16, 16, 3), "mlp": (32,), "lstm": (12, 8)}[name]
+
+
+def fit_custom_loop(model, x, y, batch, losses, tf, keras):
+    """A user's own training loop: tf.GradientTape inside a tf.function."""
+    optimizer = keras.optimizers.Adam(1e-3)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    for i in range(0, len(x), batch):
+        losses.append(float(step(tf.constant(x[i:i + batch]),
+                                 tf.constant(y[i:i + batch]))))
 
 
 def main():
@@ -59,6 +81,10 @@ def main():
                         help="a model family of sntf.models instead of --model")
     parser.add_argument("--evaluate", action="store_true",
                         help="also run evaluate() and predict()")
+    parser.add_argument("--mixed-precision", default=None,
+                        help="a Keras dtype policy, e.g. mixed_bfloat16")
+    parser.add_argument("--custom-loop", action="store_true",
+                        help="train with a tf.function GradientTape loop, not fit()")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -76,6 +102,8 @@ def main():
             options["swap_min_bytes"] = args.swap_min_bytes
         sntf.enable(policy=args.sntf, batch_size=args.batch, **options)
     tf.config.experimental.enable_op_determinism()
+    if args.mixed_precision:
+        keras.mixed_precision.set_global_policy(args.mixed_precision)
     keras.utils.set_random_seed(1234)
     n = args.steps * args.batch
     if args.family:
@@ -107,8 +135,11 @@ def main():
 
             phases[phase] = len(sntf.reports())
 
-    model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
-              callbacks=[StepLosses()])
+    if args.custom_loop:
+        fit_custom_loop(model, x, y, args.batch, losses, tf, keras)
+    else:
+        model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[StepLosses()])
     mark("fit")
     if args.evaluate:
         model.evaluate(x, y, batch_size=args.batch, verbose=0)
