@@ -376,7 +376,8 @@ def _cache_thresholds(graph_def, index: graph.GraphIndex, facts, budget: int):
     for node in out.node:
         if node.op == names.CACHE_OUT_OP:
             live = facts.timeline.device_bytes[step_of[index.node(node.name)]]
-            node.attr["budget"].i = max(0, headroom + live)
+            # No headroom: anything kept would add to a peak already over.
+            node.attr["budget"].i = headroom + live if headroom >= 0 else 0
     return out
 
 
