@@ -64,6 +64,10 @@ def enable(policy: str = "auto", budget: config.Budgetish = None,
             _native.set_host_pool_limit(parsed_options.host_pool_limit)
         config.set_state(config.State(enabled=True, policy=name,
                                       budget=parsed_budget, options=parsed_options))
+        if name != "off":
+            from sntf import xla
+
+            xla.install_keras_guard()
 
 
 def disable() -> None:
