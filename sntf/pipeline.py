@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import logging
+import os
 import time
 import traceback
 from typing import Callable, Optional, Sequence
@@ -84,6 +86,7 @@ def new_report(name: str = "", nodes: int = 0) -> dict:
         "stage_seconds": {},
         "analysis": None,
         "analysis_error": None,
+        "cudnn_workspace_limit_mb": None,
     }
 
 
@@ -390,6 +393,42 @@ def _cache_note(facts, budget: int) -> str:
             f"device (budget {budget} - planned peak {facts.predicted_peak_bytes})")
 
 
+CUDNN_WORKSPACE_ENV = "TF_CUDNN_WORKSPACE_LIMIT_IN_MB"
+# Below this cuDNN is left its smallest algorithms only; 0 would forbid any
+# workspace and fail some convolutions outright.
+MIN_CUDNN_WORKSPACE_MB = 32
+
+
+def cudnn_workspace_limit_mb(budget: int, planned_peak: int) -> int:
+    """The cuDNN workspace limit a budget leaves: the headroom between the
+    planned peak and the budget, in MiB, at least MIN_CUDNN_WORKSPACE_MB.
+
+    Args:
+      budget: the device budget in bytes.
+      planned_peak: the planned peak of the rewritten graph in bytes.
+
+    Returns:
+      The limit in MiB for TF_CUDNN_WORKSPACE_LIMIT_IN_MB.
+    """
+    return max(MIN_CUDNN_WORKSPACE_MB, (budget - planned_peak) >> 20)
+
+
+def _set_cudnn_workspace_limit(limit_mb: int) -> None:
+    """Sets TensorFlow's cuDNN workspace limit for convolution kernels built
+    from now on (they read the variable when constructed); a value the user
+    set is left alone."""
+    if os.environ.get(CUDNN_WORKSPACE_ENV, "") not in ("", _cudnn_set_by_sntf[0]):
+        return
+    os.environ[CUDNN_WORKSPACE_ENV] = str(limit_mb)
+    if _cudnn_set_by_sntf[0] != str(limit_mb):
+        logging.getLogger("sntf").info("sntf: %s=%d (budget headroom over the "
+                                       "planned peak)", CUDNN_WORKSPACE_ENV, limit_mb)
+    _cudnn_set_by_sntf[0] = str(limit_mb)
+
+
+_cudnn_set_by_sntf = [""]
+
+
 def _validate(graph_def, before: graph.GraphIndex) -> graph.GraphIndex:
     """Indexes a rewritten graph; a malformed or cyclic result is an error
     (the pass then hands the original graph back)."""
@@ -453,6 +492,12 @@ def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
             planned_peak_bytes=(planned or facts).predicted_peak_bytes,
             lower_bound_bytes=facts.lower_bound_bytes)
         report["planned_peak_bytes"] = plan.planned_peak_bytes
+        if state.budget is not None:
+            limit = cudnn_workspace_limit_mb(
+                state.budget.resolve(config.device_memory_bytes()), plan.planned_peak_bytes)
+            report["cudnn_workspace_limit_mb"] = limit
+            if any("GPU" in d.upper() for d in index.devices if d):
+                _set_cudnn_workspace_limit(limit)
     if state.options.keep_graphs:
         report["original_graph"] = graph_def
         report["rewritten_graph"] = result.graph_def

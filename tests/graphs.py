@@ -619,3 +619,25 @@ def real_cycle() -> graph_pb2.GraphDef:
             .op("Neg", "b", ["a"], T=DT_FLOAT)
             .const("c", 1.0)
             .build())
+
+
+def properties_fn(props: dict):
+    """A pipeline `properties` callable serving `props` (name -> [(dtype,
+    shape)]) as Grappler's serialized TensorProperties, for run_pass."""
+
+    def properties(names):
+        from tensorflow.core.framework import tensor_shape_pb2
+        from tensorflow.core.grappler.costs import op_performance_data_pb2 as perf
+
+        result = {}
+        for name in names:
+            outs = []
+            for dtype, shape in props.get(name, []):
+                p = perf.OpInfo.TensorProperties(dtype=dtype)
+                p.shape.CopyFrom(tensor_shape_pb2.TensorShapeProto(
+                    dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in shape]))
+                outs.append(p.SerializeToString())
+            result[name] = outs
+        return result
+
+    return properties

@@ -18,7 +18,8 @@ from sntf import config, names, pipeline, planner, rewrite  # noqa: E402
 REPORT_KEYS = {"graph", "training", "nodes", "action", "reason", "policy",
                "predicted_peak_bytes", "planned_peak_bytes", "lower_bound_bytes",
                "pass_seconds", "swapped", "recomputed", "fetch", "devices",
-               "error", "invocations", "batch", "analysis", "analysis_error", "stage_seconds"}
+               "error", "invocations", "batch", "analysis", "analysis_error", "stage_seconds",
+               "cudnn_workspace_limit_mb"}
 OFF = config.State(enabled=True, policy="off")
 OFF_IDENTITY = config.State(enabled=True, policy="off",
                             options=config.Options(identity_rewrite=True))
@@ -447,3 +448,29 @@ def test_role_of_undecodable_bytes():
     node = graphs.GraphBuilder().op("Identity", "n").build().node[0]
     node.attr[names.MARKER_ATTR].s = b"\xffswap_in"
     assert names.role_of(node) == "\ufffdswap_in"
+
+
+# --------------------------------------------------------------------------
+# cuDNN workspace limit from the budget's headroom
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("budget, peak, expected", [
+    (1 << 30, 256 << 20, 768),          # 1 GiB budget, 256 MiB planned: 768 MiB left
+    (300 << 20, 299 << 20, 32),         # less than the floor: the floor
+    (100 << 20, 200 << 20, 32),         # over budget: the floor, never 0
+])
+def test_cudnn_workspace_limit_is_the_headroom(budget, peak, expected):
+    assert pipeline.cudnn_workspace_limit_mb(budget, peak) == expected
+
+
+def test_cudnn_workspace_limit_is_set_for_gpu_graphs_only_once_and_not_over_the_user(
+        monkeypatch):
+    monkeypatch.delenv(pipeline.CUDNN_WORKSPACE_ENV, raising=False)
+    monkeypatch.setattr(pipeline, "_cudnn_set_by_sntf", [""])
+    pipeline._set_cudnn_workspace_limit(512)
+    assert os.environ[pipeline.CUDNN_WORKSPACE_ENV] == "512"
+    pipeline._set_cudnn_workspace_limit(256)          # sntf's own value: updated
+    assert os.environ[pipeline.CUDNN_WORKSPACE_ENV] == "256"
+    monkeypatch.setenv(pipeline.CUDNN_WORKSPACE_ENV, "64")   # the user's value
+    pipeline._set_cudnn_workspace_limit(1024)
+    assert os.environ[pipeline.CUDNN_WORKSPACE_ENV] == "64"

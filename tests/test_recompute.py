@@ -4,7 +4,7 @@ with every mode on the six model families (fresh processes)."""
 import pytest
 
 from conftest import train_family
-from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder
+from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder, properties_fn
 from sntf import analysis, config, names, pipeline, planner, rewrite
 from sntf import graph as G
 
@@ -151,22 +151,7 @@ def test_pass_keeps_a_graph_the_plan_would_not_improve_and_is_idempotent():
     g = pool_step()
     state = config.State(enabled=True, policy="recompute",
                          options=config.Options(recompute_mode="speed"))
-    props = _props(g)
-
-    def properties(names_):
-        from tensorflow.core.grappler.costs import op_performance_data_pb2 as perf
-        from tensorflow.core.framework import tensor_shape_pb2
-
-        result = {}
-        for name in names_:
-            outs = []
-            for dtype, shape in props.get(name, []):
-                p = perf.OpInfo.TensorProperties(dtype=dtype)
-                p.shape.CopyFrom(tensor_shape_pb2.TensorShapeProto(
-                    dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in shape]))
-                outs.append(p.SerializeToString())
-            result[name] = outs
-        return result
+    properties = properties_fn(_props(g))
 
     first = pipeline.run_pass(g.SerializeToString(), ["ret"], [], state, properties)
     # Re-running p does not lower this graph's predicted peak (the peak is

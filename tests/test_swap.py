@@ -2,13 +2,14 @@
 with "swap" and "swap+recompute" on the six model families (fresh processes);
 a 200-step soak without pool or peak growth."""
 
+import os
 import sys
 
 import pytest
 
 from conftest import WORKERS, train_family
-from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder
-from sntf import analysis, names, pipeline, planner, rewrite
+from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder, properties_fn
+from sntf import analysis, config, names, pipeline, planner, rewrite
 from sntf import graph as G
 
 sys.path.insert(0, WORKERS)
@@ -156,6 +157,22 @@ def test_with_a_budget_swaps_go_through_the_tensor_cache():
         expected = headroom + new_facts.timeline.device_bytes[step] if headroom >= 0 else 0
         assert node.attr["budget"].i == expected
     assert "every swap copies" in pipeline._cache_note(new_facts, 1)
+
+
+def test_pass_with_a_budget_reports_the_cudnn_workspace_limit(monkeypatch):
+    g, props = dense_step()
+    monkeypatch.delenv(pipeline.CUDNN_WORKSPACE_ENV, raising=False)
+    state = config.State(enabled=True, policy="swap", budget=config.Budget(bytes=64 * MIB))
+    result = pipeline.run_pass(g.SerializeToString(), ["ret"], [], state,
+                               properties_fn(props))
+    report = result.report
+    assert report["action"] == "rewritten" and report["swapped"] == ["h1:0"], report
+    assert report["cudnn_workspace_limit_mb"] == pipeline.cudnn_workspace_limit_mb(
+        64 * MIB, report["planned_peak_bytes"])
+    assert "tensor cache" in report["reason"]
+    # A CPU graph: the limit is computed and reported, the environment untouched.
+    assert pipeline.CUDNN_WORKSPACE_ENV not in os.environ
+    assert {n.op for n in result.graph_def.node} >= {"SnCacheOut", "SnCacheIn"}
 
 
 def test_swap_source_parses_only_sntf_names():
