@@ -196,12 +196,24 @@ def _analyze(index: graph.GraphIndex, state: config.State,
     return facts, props
 
 
+def _on_gpu(index: graph.GraphIndex) -> bool:
+    """Whether any node of the graph is placed on a GPU."""
+    return any("GPU" in d.upper() for d in index.devices if d)
+
+
+def _budget_bytes(state: config.State) -> Optional[int]:
+    """The user's budget in bytes (None without one)."""
+    if state.budget is None:
+        return None
+    return state.budget.resolve(config.device_memory_bytes())
+
+
 def _link_bandwidth(state: config.State, index: graph.GraphIndex) -> float:
     """Bytes per second between device and host pool: the option, else PCIe
     4 x16 on a GPU graph, else the measured memcpy rate of this machine."""
     if state.options.link_bandwidth is not None:
         return float(state.options.link_bandwidth)
-    if any("GPU" in d.upper() for d in index.devices if d):
+    if _on_gpu(index):
         return PCIE4_X16_BYTES_PER_SECOND
     return memcpy_bandwidth()
 
@@ -226,31 +238,57 @@ def memcpy_bandwidth() -> float:
     return _memcpy_rate[0]
 
 
+@dataclasses.dataclass
+class _Planned:
+    """A plan applied to a graph: the rewritten graph, its index and analysis."""
+
+    graph_def: object
+    index: graph.GraphIndex
+    facts: object
+
+
+def _planned(plan: planner.Plan, graph_def, before: graph.GraphIndex, props,
+             batch) -> Optional[_Planned]:
+    """Applies `plan` to `graph_def` and analyzes the result (None when the
+    plan changes nothing). A malformed or cyclic result raises GraphError."""
+    result = rewrite.apply_plan(graph_def, plan)
+    if not result.modified:
+        return None
+    new_index = _validate(result.graph_def, before)
+    return _Planned(result.graph_def, new_index,
+                    analysis.analyze(new_index, _with_generated(props, new_index),
+                                     batch=batch))
+
+
 def _stage_plan(kind: str, graph_def, index: graph.GraphIndex, facts, props,
-                state: config.State) -> planner.Plan:
-    """One planning stage ("recompute" or "swap") on an analyzed graph."""
+                state: config.State, cache_budget: Optional[int]):
+    """One planning stage ("recompute" or "swap") on an analyzed graph.
+
+    Returns:
+      (plan, _Planned of the plan or None when the plan changes nothing).
+    """
     protected = frozenset(index.fetch) | frozenset(index.preserve)
     if kind == "recompute":
         if state.options.recompute_mode == "auto":
             return _auto_recompute(graph_def, index, facts, props, protected)
-        return planner.plan_recompute(index, facts, state.options.recompute_mode,
+        plan = planner.plan_recompute(index, facts, state.options.recompute_mode,
                                       protected)
-    dtypes, shapes = {}, {}
-    for name, outs in props.items():
-        if name in index.index:
-            for port, (dtype, shape) in enumerate(outs):
-                dtypes[(index.node(name), port)] = dtype
-                shapes[(index.node(name), port)] = shape
-    cache_budget = None
-    if state.budget is not None:
-        cache_budget = state.budget.resolve(config.device_memory_bytes())
-    return planner.plan_swap(index, facts, dtypes, state.options.swap_min_bytes,
-                             _link_bandwidth(state, index), protected, shapes,
-                             cache_budget)
+    else:
+        dtypes, shapes = {}, {}
+        for name, outs in props.items():
+            if name in index.index:
+                for port, (dtype, shape) in enumerate(outs):
+                    dtypes[(index.node(name), port)] = dtype
+                    shapes[(index.node(name), port)] = shape
+        plan = planner.plan_swap(index, facts, dtypes, state.options.swap_min_bytes,
+                                 _link_bandwidth(state, index), protected, shapes)
+        # With a budget the swaps go through the run-time tensor cache.
+        plan = dataclasses.replace(plan, cache_budget=cache_budget)
+    return plan, _planned(plan, graph_def, index, props, facts.batch)
 
 
 def _auto_recompute(graph_def, index: graph.GraphIndex, facts, props,
-                    protected: frozenset) -> planner.Plan:
+                    protected: frozenset):
     """Superneurons' cost-aware rule on the planned timeline.
 
     Every segment starts speed-centric (one recomputation, kept through its
@@ -258,18 +296,18 @@ def _auto_recompute(graph_def, index: graph.GraphIndex, facts, props,
     are live at its planned peak are switched to memory-centric (one
     recomputation per reader, freed right after), which is kept only if the
     planned peak falls.
+
+    Returns:
+      (plan, _Planned of the plan or None), as _stage_plan.
     """
     speed = planner.plan_recompute(index, facts, "speed", protected)
-    if not speed.recomputes:
-        return dataclasses.replace(speed, notes=("recompute (auto): nothing to recompute",))
-    planned = _planned(speed, graph_def, index, facts, props)
+    planned = _planned(speed, graph_def, index, props, facts.batch)
     if planned is None:
-        return speed
-    new_index, new_facts = planned
-    peak = new_facts.peak_step
+        return dataclasses.replace(speed, notes=("recompute (auto): nothing to recompute",)), None
+    peak = planned.facts.peak_step
     at_peak = set()
-    for b, (start, end) in new_facts.intervals.items():
-        source = names.recompute_source(new_index.names[b[0]])
+    for b, (start, end) in planned.facts.intervals.items():
+        source = names.recompute_source(planned.index.names[b[0]])
         if source and start <= peak <= end:
             at_peak.add(source)
     memory_tensors = frozenset(r.tensor for r in speed.recomputes
@@ -277,26 +315,13 @@ def _auto_recompute(graph_def, index: graph.GraphIndex, facts, props,
     note = f"recompute (auto): {len(speed.recomputes)} tensor(s), speed-centric"
     if memory_tensors:
         mixed = planner.plan_recompute(index, facts, "speed", protected, memory_tensors)
-        mixed_planned = _planned(mixed, graph_def, index, facts, props)
-        if (mixed_planned is not None and mixed_planned[1].predicted_peak_bytes
-                < new_facts.predicted_peak_bytes):
+        mixed_planned = _planned(mixed, graph_def, index, props, facts.batch)
+        if (mixed_planned is not None and mixed_planned.facts.predicted_peak_bytes
+                < planned.facts.predicted_peak_bytes):
             note += (f", {len(memory_tensors)} live at the planned peak made "
                      "memory-centric")
-            return dataclasses.replace(mixed, notes=(note,))
-    return dataclasses.replace(speed, notes=(note,))
-
-
-def _planned(plan: planner.Plan, graph_def, index: graph.GraphIndex, facts, props):
-    """(index, analysis) of the graph `plan` would produce, or None if it
-    changes nothing."""
-    result = rewrite.apply_plan(graph_def, plan)
-    if not result.modified:
-        return None
-    new_index = graph.build_index(result.graph_def,
-                                  [index.names[i] for i in index.fetch],
-                                  [index.names[i] for i in index.preserve])
-    return new_index, analysis.analyze(new_index, _with_generated(props, new_index),
-                                       batch=facts.batch)
+            return dataclasses.replace(mixed, notes=(note,)), mixed_planned
+    return dataclasses.replace(speed, notes=(note,)), planned
 
 
 STAGES = {"recompute": ("recompute",), "swap": ("swap",),
@@ -320,44 +345,40 @@ def _best_rewrite(graph_def, index: graph.GraphIndex, facts, props,
     if facts is None:
         plan = planner.identity_plan(state.policy, "no analysis: graph left unchanged")
         return plan, rewrite.apply_plan(graph_def, plan), None
-    current, current_index, current_facts = graph_def, index, facts
+    budget = _budget_bytes(state)
+    current = _Planned(graph_def, index, facts)
     decisions, notes, recomputes, swaps = [], [], (), ()
-    modified = False
     for kind in stages:
         with _timed(report, f"plan_{kind}"):
-            plan = _stage_plan(kind, current, current_index, current_facts,
-                               _with_generated(props, current_index), state)
-        with _timed(report, f"rewrite_{kind}"):
-            result = rewrite.apply_plan(current, plan)
-        if not result.modified:
+            plan, planned = _stage_plan(kind, current.graph_def, current.index,
+                                        current.facts,
+                                        _with_generated(props, current.index),
+                                        state, budget)
+        if planned is None:
             notes.extend(plan.notes)
             continue
-        new_index = _validate(result.graph_def, index)
-        with _timed(report, f"planned_analysis_{kind}"):
-            planned = analysis.analyze(new_index, _with_generated(props, new_index),
-                                       batch=facts.batch)
-        if planned.predicted_peak_bytes >= current_facts.predicted_peak_bytes:
+        if planned.facts.predicted_peak_bytes >= current.facts.predicted_peak_bytes:
             count = len(plan.recomputes) + len(plan.swaps)
             notes.append(f"{kind}: {count} tensor(s) planned but not applied: the "
                          f"predicted peak would not fall "
-                         f"({current_facts.predicted_peak_bytes} -> "
-                         f"{planned.predicted_peak_bytes} bytes)")
+                         f"({current.facts.predicted_peak_bytes} -> "
+                         f"{planned.facts.predicted_peak_bytes} bytes)")
             continue
-        current, current_index, current_facts = result.graph_def, new_index, planned
+        current = planned
         decisions.extend(plan.decisions)
         notes.extend(plan.notes)
         recomputes, swaps = recomputes + plan.recomputes, swaps + plan.swaps
-        modified = True
-    cache_budget = None
-    if swaps and state.budget is not None:
-        cache_budget = state.budget.resolve(config.device_memory_bytes())
-        current = _cache_thresholds(current, current_index, current_facts, cache_budget)
-        notes.append(_cache_note(current_facts, cache_budget))
+    modified = current.graph_def is not graph_def
+    rewritten = current.graph_def
+    cache_budget = budget if swaps else None
+    if cache_budget is not None:
+        rewritten = _cache_thresholds(rewritten, current.index, current.facts, cache_budget)
+        notes.append(_cache_note(current.facts, cache_budget))
     plan = planner.Plan(policy=state.policy, decisions=tuple(decisions),
                         notes=tuple(notes), recomputes=recomputes, swaps=swaps,
                         cache_budget=cache_budget)
-    final = rewrite.RewriteResult(graph_def=current, modified=modified)
-    return plan, final, (current_facts if modified else None)
+    final = rewrite.RewriteResult(graph_def=rewritten, modified=modified)
+    return plan, final, (current.facts if modified else None)
 
 
 def _cache_thresholds(graph_def, index: graph.GraphIndex, facts, budget: int):
@@ -493,10 +514,9 @@ def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
             lower_bound_bytes=facts.lower_bound_bytes)
         report["planned_peak_bytes"] = plan.planned_peak_bytes
         if state.budget is not None:
-            limit = cudnn_workspace_limit_mb(
-                state.budget.resolve(config.device_memory_bytes()), plan.planned_peak_bytes)
+            limit = cudnn_workspace_limit_mb(_budget_bytes(state), plan.planned_peak_bytes)
             report["cudnn_workspace_limit_mb"] = limit
-            if any("GPU" in d.upper() for d in index.devices if d):
+            if _on_gpu(index):
                 _set_cudnn_workspace_limit(limit)
     if state.options.keep_graphs:
         report["original_graph"] = graph_def

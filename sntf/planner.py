@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import json
 from typing import Optional
 
@@ -86,7 +87,10 @@ def make_plan(policy: str) -> Plan:
 
 
 # ---------------------------------------------------------------- recompute
-RECOMPUTE_MODES = ("auto", "speed", "memory")
+# Modes the planner itself plans; "auto" (sntf.enable's default) chooses
+# between them per segment on the planned timeline, in the pipeline
+# (sntf.pipeline._auto_recompute), since it needs rewrite and analysis.
+RECOMPUTE_MODES = ("speed", "memory")
 # Longest chain of cheap ops re-run to rebuild one tensor: recompute chains
 # stop at checkpoints and never run back through a long residual chain.
 MAX_RECOMPUTE_CHAIN = 8
@@ -132,15 +136,14 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
     A cheap forward tensor (activation, normalization, pooling, dropout...)
     that the backward pass reads is not kept from forward to backward: its
     chain of cheap ops is cloned from the nearest checkpoints and re-run just
-    before its first backward reader, released by a control edge from that
-    reader's gradient input.
+    before its first backward reader, released by a control edge from the
+    backward op scheduled right before that reader.
 
     Args:
       g: the graph index (sntf.graph.GraphIndex).
       facts: the analysis of g (sntf.analysis.Analysis).
-      mode: "speed" (one clone serves every backward reader), "memory" (one
-        clone per reader, freed right after it) or "auto" (speed unless the
-        segment's recomputed working set would raise the predicted peak).
+      mode: "speed" (one clone serves every backward reader) or "memory"
+        (one clone per reader, freed right after it).
       protected: node indices that must not be recomputed (fetch, preserve).
       memory_tensors: "node:port" names planned memory-centric whatever the
         mode (the pipeline's auto mode chooses them from a planned timeline).
@@ -190,12 +193,10 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
             chain = sorted(chain, key=step_of.get)
             saved = facts.tensor_bytes.get(buffer, 0)
             name = f"{g.names[producer]}:{port}"
-            groups = _groups(g, facts, readers, chain, saved,
-                             "memory" if name in memory_tensors else mode,
-                             step_of, backward_steps)
+            groups = _groups(g, readers, "memory" if name in memory_tensors else mode,
+                             facts.schedule, step_of, backward_steps)
             if not groups:
                 continue
-            name = f"{g.names[producer]}:{port}"
             recipe = Recompute(tensor=name, chain=tuple(g.names[i] for i in chain),
                                groups=tuple(groups))
             seconds = sum(facts.op_seconds[step_of[i]] for i in chain) * len(groups)
@@ -272,14 +273,9 @@ def _chain(g, producer: int, recomputable, kept: set) -> Optional[list]:
 _VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Snapshot"})
 
 
-def _groups(g, facts, readers, chain, saved, mode, step_of, backward_steps) -> list:
+def _groups(g, readers, mode, schedule, step_of, backward_steps) -> list:
     """Groups of backward readers, each with the node that releases its clone."""
     readers = sorted(readers, key=lambda r: step_of[r[0]])
-    if mode == "auto":
-        first, last = step_of[readers[0][0]], step_of[readers[-1][0]]
-        working = sum(facts.tensor_bytes.get((i, 0), 0) for i in chain)
-        during = max(facts.timeline.device_bytes[first:last + 1] or [0])
-        mode = "memory" if during - saved + working > facts.predicted_peak_bytes else "speed"
     batches = [readers] if mode == "speed" else [[r] for r in readers]
     groups = []
     for batch in batches:
@@ -289,7 +285,7 @@ def _groups(g, facts, readers, chain, saved, mode, step_of, backward_steps) -> l
         k = bisect.bisect_left(backward_steps, step_of[batch[0][0]])
         if k == 0:
             return []
-        trigger = facts.schedule[backward_steps[k - 1]]
+        trigger = schedule[backward_steps[k - 1]]
         groups.append(RecomputeGroup(
             consumers=tuple((g.names[c], slot) for c, slot in batch),
             trigger=g.names[trigger]))
@@ -334,8 +330,7 @@ class Swap:
 
 
 def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
-              protected: frozenset = frozenset(), shapes: Optional[dict] = None,
-              cache_budget: Optional[int] = None) -> Plan:
+              protected: frozenset = frozenset(), shapes: Optional[dict] = None) -> Plan:
     """Superneurons' unified tensor pool: offload, then prefetch.
 
     A forward tensor of at least `min_bytes` that the backward pass reads is
@@ -355,8 +350,6 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
       protected: node indices that must stay as they are (fetch, preserve).
       shapes: (node, port) -> static shape, recorded for the cache ops'
         shape inference.
-      cache_budget: device bytes for the run-time tensor cache (None: no
-        cache, every swap copies).
 
     Returns:
       A Plan with one SWAP decision and one Swap recipe per tensor.
@@ -370,6 +363,8 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
         raise ValueError(f"bandwidth must be positive, got {bandwidth!r}")
     phases = facts.phases
     step_of = {node: s for s, node in enumerate(facts.schedule)}
+    # elapsed[s]: estimated compute before step s, so any span costs O(1).
+    elapsed = list(itertools.accumulate(facts.op_seconds, initial=0.0))
     backward_read = _backward_read_by_buffer(g, facts)
     decisions, recipes = [], []
     for producer in facts.schedule:
@@ -395,7 +390,7 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
                               and g.ops[c] not in METADATA_OPS),
                              key=lambda r: step_of[r[0]])
             transfer = size / bandwidth
-            groups = _swap_groups(g, facts, readers, transfer, step_of)
+            groups = _swap_groups(g, facts, readers, transfer, step_of, elapsed)
             if not groups:
                 continue
             name = f"{g.names[producer]}:{port}"
@@ -411,13 +406,10 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
                         f"{len(readers)} backward op(s); {len(groups)} swap-in(s), "
                         f"prefetched {transfer * 1e3:.3f} ms of transfer ahead"),
                 bytes_saved=size,
-                seconds_added=_exposed_transfer(facts, groups, transfer, g, step_of)))
+                seconds_added=_exposed_transfer(groups, transfer, g, step_of, elapsed)))
     note = f"swap: {len(recipes)} tensor(s) of at least {min_bytes} bytes"
-    if cache_budget is not None:
-        note += (f", through the tensor cache (copied only when the device's live "
-                 f"bytes exceed {cache_budget})")
     return Plan(policy="swap", decisions=tuple(decisions), notes=(note,),
-                swaps=tuple(recipes), cache_budget=cache_budget)
+                swaps=tuple(recipes))
 
 
 def _backward_read_by_buffer(g, facts) -> dict:
@@ -434,13 +426,13 @@ def _backward_read_by_buffer(g, facts) -> dict:
     return result
 
 
-def _swap_groups(g, facts, readers, transfer, step_of) -> list:
+def _swap_groups(g, facts, readers, transfer, step_of, elapsed) -> list:
     """Splits readers into swap-in windows and picks each one's prefetch trigger."""
     groups, current = [], []
     window = SWAP_WINDOW_TRANSFERS * transfer
     for reader in readers:
-        if current and _seconds_between(facts, step_of[current[0][0]],
-                                        step_of[reader[0]]) > window:
+        if current and (elapsed[step_of[reader[0]]]
+                        - elapsed[step_of[current[0][0]]]) > window:
             groups.append(current)
             current = []
         current.append(reader)
@@ -454,10 +446,6 @@ def _swap_groups(g, facts, readers, transfer, step_of) -> list:
         result.append(SwapGroup(consumers=tuple((g.names[c], slot) for c, slot in batch),
                                 trigger=g.names[trigger]))
     return result
-
-
-def _seconds_between(facts, first: int, last: int) -> float:
-    return sum(facts.op_seconds[first:last])
 
 
 def gradient_ancestor(g, facts, step_of: dict, reader: int,
@@ -487,9 +475,8 @@ def gradient_ancestor(g, facts, step_of: dict, reader: int,
     covered, node, found = 0.0, reader, None
     while True:
         # Control inputs count: a recomputed clone waits on its trigger.
-        inputs = [p for p in [p for p, _ in g.data_inputs[node]]
-                  + list(g.control_inputs[node])
-                  if facts.phases[p] == graph_model.BACKWARD]
+        preds = [p for p, _ in g.data_inputs[node]] + list(g.control_inputs[node])
+        inputs = [p for p in preds if facts.phases[p] == graph_model.BACKWARD]
         if not inputs:
             return found
         node = max(inputs, key=step_of.get)
@@ -499,7 +486,7 @@ def gradient_ancestor(g, facts, step_of: dict, reader: int,
             return node
 
 
-def _exposed_transfer(facts, groups, transfer, g, step_of) -> float:
+def _exposed_transfer(groups, transfer, g, step_of, elapsed) -> float:
     """Predicted extra time: transfer not hidden behind the ops between each
     swap-in's trigger and its first reader (the swap-out overlaps the
     forward pass and is not counted)."""
@@ -507,5 +494,5 @@ def _exposed_transfer(facts, groups, transfer, g, step_of) -> float:
     for group in groups:
         start = step_of[g.node(group.trigger)]
         end = step_of[g.node(group.consumers[0][0])]
-        exposed += max(0.0, transfer - _seconds_between(facts, start, end))
+        exposed += max(0.0, transfer - (elapsed[end] - elapsed[start]))
     return exposed

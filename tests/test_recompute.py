@@ -173,6 +173,35 @@ def test_unknown_mode_is_rejected():
         config.parse_options({"recompute_mode": "fast"})
     with pytest.raises(ValueError):
         plan_for("fast")
+    # "auto" chooses between the planner's two modes on the planned
+    # timeline, in the pipeline; the planner itself refuses it.
+    with pytest.raises(ValueError):
+        plan_for("auto")
+
+
+def test_auto_mode_plans_on_the_planned_timeline():
+    g = scaled_step()
+    idx = G.build_index(g, ["ret"])
+    props = _props(g)
+    props.update(s=[(DT_FLOAT, ())], v=[(DT_RESOURCE, ())])
+    props["grad/s"] = [(DT_FLOAT, ())]
+    props["sgd/update_s"] = []
+    facts = analysis.analyze(idx, props)
+    plan, planned = pipeline._auto_recompute(g, idx, facts, props, frozenset(idx.fetch))
+    assert plan.notes[0].startswith("recompute (auto): 1 tensor(s), speed-centric")
+    assert [r.tensor for r in plan.recomputes] == ["r:0"]
+    # What comes back is the analysis of exactly that plan's graph.
+    again = pipeline._planned(plan, g, idx, props, facts.batch)
+    assert planned.facts.predicted_peak_bytes == again.facts.predicted_peak_bytes
+    assert planned.index.names == again.index.names
+    # The pass keeps or drops it on that analysis, and says which.
+    state = config.State(enabled=True, policy="recompute",
+                         options=config.Options(recompute_mode="auto"))
+    report = pipeline.run_pass(g.SerializeToString(), ["ret"], [], state,
+                               properties_fn(props)).report
+    assert ("recompute (auto)" in report["reason"]
+            or "would not fall" in report["reason"]), report["reason"]
+    assert "plan_recompute" in report["stage_seconds"]
 
 
 @pytest.mark.slow

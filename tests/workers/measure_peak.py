@@ -45,8 +45,8 @@ Result keys:
                         predicted_peak_bytes, lower_bound_bytes,
                         pass_seconds, invocations, action       (sntf enabled)
   nodes                 list: nodes of each training report
-  predicted_peak_bytes  max over the training reports (None if none known)
-  lower_bound_bytes     max over the training reports (None if none known)
+  predicted_peak_bytes  the last training report that has one (the graph that ran)
+  lower_bound_bytes     the last training report that has one
   planned_peak_bytes    the prediction for the graph as rewritten (the last
                         training report that has one)
   pass_seconds          pass time of the largest training report
