@@ -4,8 +4,9 @@ Keras 3 resolves `compile(jit_compile="auto")` to True whenever a non-CPU
 device exists. An XLA-compiled train step is one cluster that Grappler's
 plugins never see, so on a GPU machine sntf would silently do nothing. While
 sntf is enabled with a rewriting policy, a compile() whose "auto" would mean
-XLA gets jit_compile=False instead, and the log says so once. An explicit `jit_compile=True` is honoured: that
-graph is XLA's, and the pass reports it as skipped.
+XLA gets jit_compile=False instead, and the log says so once. An explicit
+`jit_compile=True` is honoured: that graph is XLA's, and the pass reports it
+as skipped.
 """
 
 from __future__ import annotations
