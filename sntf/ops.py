@@ -31,22 +31,25 @@ def swap_in(parked, name: str = None):
     return _native.load_ops().sn_swap_in(parked, name=name)
 
 
-def cache_out(x, budget: int, uses: int = 1, name: str = None):
+def cache_out(x, budget: int, uses: int = 1, name: str = None,
+              headroom: int = -1):
     """Hands `x` to the tensor cache (kept on the device while it fits `budget`).
 
     Args:
       x: a tensor of any numeric, bool or complex dtype.
       budget: device bytes: x stays on the device while the allocator's live
-        bytes plus x fit; otherwise older cached tensors are evicted first and
-        x is parked in the host pool if it still does not fit.
+        bytes plus x fit, and the device's cached tensors plus x fit
+        `headroom`; otherwise older cached tensors are evicted first and x
+        is parked in the host pool if it still does not fit.
       uses: how many cache_in calls will read the ticket.
       name: optional op name.
+      headroom: cap on the bytes of the device's cached tensors (-1: none).
 
     Returns:
       An int64 scalar ticket.
     """
     return _native.load_ops().sn_cache_out(x, budget=int(budget), uses=int(uses),
-                                           name=name)
+                                           headroom=int(headroom), name=name)
 
 
 def cache_in(ticket, dtype, shape=None, name: str = None):

@@ -266,6 +266,41 @@ def test_tensor_cache_keeps_under_budget_and_evicts_least_recent(fresh_python):
     assert reused["cache_hits"] == 4 and reused["cache_entries"] == 0
 
 
+def test_tensor_cache_headroom_caps_the_cached_bytes(fresh_python):
+    # Far under the budget, the headroom alone decides: with 6 MiB of it, one
+    # 4 MiB tensor stays, the next evicts it; headroom 0 keeps nothing and
+    # evicts what was kept.
+    r = fresh_python(f"""
+        import json
+        import tensorflow as tf
+        import sntf
+        from sntf import ops
+        MIB = 1 << 20
+        stats = lambda: sntf.stats()["swap"]
+        a = tf.random.uniform([MIB], seed=1)
+        b = tf.random.uniform([MIB], seed=2)
+        steps = []
+        ta = ops.cache_out(a, 1 << 40, headroom=6 * MIB)
+        steps.append(stats())
+        tb = ops.cache_out(b, 1 << 40, headroom=6 * MIB)
+        steps.append(stats())
+        tz = ops.cache_out(a, 1 << 40, headroom=0)
+        steps.append(stats())
+        for t in (ta, tb, tz):
+            ops.cache_in(t, tf.float32, [MIB])
+        steps.append(stats())
+        print("RESULT " + json.dumps(steps))
+    """).result()
+    first, second, zero, done = r
+    mib4 = 4 << 20
+    assert (first["cached_device_bytes"], first["bytes_to_host"]) == (mib4, 0)
+    assert (second["cached_device_bytes"], second["cache_evictions"]) == (mib4, 1)
+    assert second["bytes_to_host"] == mib4
+    assert zero["cached_device_bytes"] == 0 and zero["cache_evictions"] == 2
+    assert zero["bytes_to_host"] == 3 * mib4
+    assert done["cached_device_bytes"] == 0 and done["cache_entries"] == 0
+
+
 def test_tensor_cache_without_allocator_stats_always_copies(fresh_python):
     # The default oneDNN CPU allocator may or may not keep stats; with
     # TF_ENABLE_ONEDNN_OPTS=0 and no BFC it keeps none: the cache must copy.

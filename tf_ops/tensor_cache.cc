@@ -5,11 +5,16 @@
 //   y      = SnCacheIn(ticket)    one per swap-in window; `uses` of them
 //
 // SnCacheOut decides at run time whether x needs to leave the device. While
-// the device allocator's live bytes plus x stay within `budget`, x is kept:
-// the cache holds a reference to the device tensor and SnCacheIn returns it
-// with no transfer (a hit). Otherwise the least recently cached tensors of
-// the same device are evicted to the host pool until x fits, and x itself is
-// copied to the host pool when it still does not (a later miss). The small
+// the device allocator's live bytes plus x stay within `budget`, and the
+// device's cached tensors plus x within `headroom`, x is kept: the cache
+// holds a reference to the device tensor and SnCacheIn returns it with no
+// transfer (a hit). Otherwise the least recently cached tensors of the same
+// device are evicted to the host pool until x fits, and x itself is copied
+// to the host pool when it still does not (a later miss). The headroom is
+// what the plan leaves under the budget (budget - planned peak): the plan
+// assumed every swapped tensor gone, so tensors kept within it can raise no
+// step of the plan above the budget, wherever the step lies; the live-bytes
+// test alone sees only the moment of the swap-out, not the later peak. The small
 // int64 ticket is what flows between the two ops; the cache entry goes away
 // when its last SnCacheIn has run, so TensorFlow's refcounts still govern the
 // buffers' lifetimes.
@@ -22,6 +27,7 @@
 // decision, eviction included, happens under one lock); they are compiled and
 // registered, and have not run on a GPU.
 
+#include <climits>
 #include <cstdint>
 #include <list>
 #include <mutex>
@@ -106,10 +112,11 @@ class TensorCache {
     return *cache;
   }
 
-  // Registers x; keeps it on the device when live + x fits the budget,
+  // Registers x; keeps it on the device when live + x fits the budget and
+  // the device's cached bytes + x fit the headroom (negative: no cap),
   // evicting older cached tensors of the device if needed.
   Status Put(OpKernelContext* ctx, const Mover& mover, const Tensor& x,
-             int64_t budget, int uses, int64_t* ticket) {
+             int64_t budget, int64_t headroom, int uses, int64_t* ticket) {
     const int64_t bytes = static_cast<int64_t>(x.TotalBytes());
     const std::string device = ctx->device()->name();
     std::optional<int64_t> live = LiveBytes(ctx);
@@ -120,15 +127,18 @@ class TensorCache {
     entry.device = device;
     if (live.has_value()) {
       int64_t projected = *live + bytes;
+      int64_t& cached = cached_bytes_[device];
+      const int64_t cap = headroom < 0 ? INT64_MAX : headroom;
       std::list<int64_t>& order = lru_[device];
-      while (projected > budget && !order.empty()) {
+      while ((projected > budget || cached + bytes > cap) && !order.empty()) {
         Status s = Evict(ctx, mover, order.front());
         if (!s.ok()) return s;
         projected -= evicted_bytes_;
       }
-      if (projected <= budget) {
+      if (projected <= budget && cached + bytes <= cap) {
         entry.tensor = x;
         entry.on_device = true;
+        cached += bytes;
       }
     }
     if (!entry.on_device) {
@@ -177,6 +187,7 @@ class TensorCache {
     const int64_t n = static_cast<int64_t>(entries_.size());
     entries_.clear();
     lru_.clear();
+    cached_bytes_.clear();
     return n;
   }
 
@@ -211,19 +222,26 @@ class TensorCache {
     Counters().bytes_to_host.fetch_add(evicted_bytes_);
     Counters().cache_evictions.fetch_add(1);
     lru_[entry.device].erase(entry.lru);
+    cached_bytes_[entry.device] -= evicted_bytes_;
     entry.tensor = std::move(host);
     entry.on_device = false;
     return tensorflow::OkStatus();
   }
 
   void Drop(std::unordered_map<int64_t, Entry>::iterator it) {
-    if (it->second.on_device) lru_[it->second.device].erase(it->second.lru);
+    if (it->second.on_device) {
+      lru_[it->second.device].erase(it->second.lru);
+      cached_bytes_[it->second.device] -=
+          static_cast<int64_t>(it->second.tensor.TotalBytes());
+    }
     entries_.erase(it);
   }
 
   std::mutex mu_;
   std::unordered_map<int64_t, Entry> entries_;
   std::unordered_map<std::string, std::list<int64_t>> lru_;  // oldest first
+  // Bytes of each device's tensors kept on it by the cache.
+  std::unordered_map<std::string, int64_t> cached_bytes_;
   int64_t next_ticket_ = 1;
   int64_t evicted_bytes_ = 0;
 };
@@ -238,12 +256,14 @@ REGISTER_OP("SnCacheOut")
     .Output("ticket: int64")
     .Attr(SNTF_CACHE_TYPES)
     .Attr("budget: int")
+    .Attr("headroom: int = -1")
     .Attr("uses: int = 1")
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::ScalarShape)
     .Doc(R"doc(
 Hands `x` to sntf's tensor cache: kept on the device while the device
-allocator's live bytes plus `x` fit `budget`, else parked in the host pool
+allocator's live bytes plus `x` fit `budget` and the device's cached tensors
+plus `x` fit `headroom` (negative: no cap), else parked in the host pool
 (evicting older cached tensors first). `uses` SnCacheIn ops will read it back.
 )doc");
 
@@ -274,6 +294,7 @@ class SnCacheOutOp : public tensorflow::OpKernel {
   explicit SnCacheOutOp(tensorflow::OpKernelConstruction* ctx)
       : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("budget", &budget_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("headroom", &headroom_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("uses", &uses_));
     OP_REQUIRES(ctx, uses_ >= 1,
                 tensorflow::errors::InvalidArgument("uses must be >= 1, got ",
@@ -283,7 +304,7 @@ class SnCacheOutOp : public tensorflow::OpKernel {
   void Compute(OpKernelContext* ctx) override {
     int64_t ticket = 0;
     Status s = TensorCache::Get().Put(ctx, mover_, ctx->input(0), budget_,
-                                      uses_, &ticket);
+                                      headroom_, uses_, &ticket);
     if (!s.ok()) Counters().failed_ops.fetch_add(1);
     OP_REQUIRES_OK(ctx, s);
     Tensor* out = nullptr;
@@ -295,6 +316,7 @@ class SnCacheOutOp : public tensorflow::OpKernel {
  private:
   MoverT mover_;
   int64_t budget_ = 0;
+  int64_t headroom_ = -1;
   int uses_ = 1;
 };
 
