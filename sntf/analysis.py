@@ -229,7 +229,7 @@ def schedule(g: graph.GraphIndex) -> tuple[int, ...]:
     Checked against TensorFlow's profiler (allocator timeline and op order)
     on 18 configurations (six families; no sntf, recompute, swap+recompute,
     a partial budget plan): the predicted peak came out at 0.79-1.05 of the
-    measured one, mean error 5%; a plain depth-first order ranged 0.72-1.83
+    measured one, mean error 5%; a plain depth-first order ranged 0.75-1.83
     (swapped graphs brought tensors back far earlier than TensorFlow does).
 
     Args:
