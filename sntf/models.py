@@ -29,6 +29,11 @@ Families and what `depth` means (default in brackets):
                3x3 + BN + ReLU6, Conv2D 1x1 + BN + ReLU6) in 3 stages
                (32/64/128 channels, the last two starting with stride 2)
                [2 blocks per stage]
+  unet         32x32x3 U-Net: `depth` down levels of two conv3x3+BN+ReLU
+               (16, 32, 64... channels) and MaxPool, a bottleneck, and as many
+               up levels (UpSampling2D, Concatenate with the level's skip, two
+               conv3x3+BN+ReLU), then GlobalAveragePooling2D and Dense 10
+               [3 levels]
 
 Default sizes keep one training step at batch 64 well under a couple of
 seconds on 2 CPU cores, while the conv nets' activations (tens of MiB at batch
@@ -39,16 +44,16 @@ from __future__ import annotations
 
 import sys
 
-FAMILIES = ("mlp", "vgg", "resnet", "densenet", "transformer", "mobilenet")
+FAMILIES = ("mlp", "vgg", "resnet", "densenet", "transformer", "mobilenet", "unet")
 NUM_CLASSES = 10
 SEQ_LEN = 64
 VOCAB = 1000
 
 _DEFAULT_DEPTH = {"mlp": 4, "vgg": 2, "resnet": 2, "densenet": 4,
-                  "transformer": 2, "mobilenet": 2}
+                  "transformer": 2, "mobilenet": 2, "unet": 3}
 _INPUT_SHAPES = {"mlp": (256,), "vgg": (32, 32, 3), "resnet": (32, 32, 3),
                  "densenet": (32, 32, 3), "transformer": (SEQ_LEN,),
-                 "mobilenet": (32, 32, 3)}
+                 "mobilenet": (32, 32, 3), "unet": (32, 32, 3)}
 
 
 def _check(family: str) -> str:
@@ -113,7 +118,8 @@ def build(family: str, depth: int | None = None, *, learning_rate: float = 1e-3,
       **kw: family-specific size options: mlp(width=1024),
         vgg(channels=(32, 64, 128)), resnet(channels=(16, 32, 64)),
         densenet(growth=12, stem=24), transformer(dim=128, heads=4, ff=256,
-        dropout=0.1), mobilenet(channels=(32, 64, 128), stem=32).
+        dropout=0.1), mobilenet(channels=(32, 64, 128), stem=32),
+        unet(base=16).
 
     Returns:
       A compiled keras.Model (Adam, sparse categorical crossentropy from
@@ -138,7 +144,8 @@ def build(family: str, depth: int | None = None, *, learning_rate: float = 1e-3,
     import keras
 
     builder = {"mlp": _mlp, "vgg": _vgg, "resnet": _resnet, "densenet": _densenet,
-               "transformer": _transformer, "mobilenet": _mobilenet}[family]
+               "transformer": _transformer, "mobilenet": _mobilenet,
+               "unet": _unet}[family]
     inputs = keras.Input(input_shape(family),
                          dtype="int32" if family == "transformer" else "float32")
     global _WRAP_BLOCKS
@@ -329,5 +336,25 @@ def _mobilenet(keras, x, depth, channels=(32, 64, 128), stem=32):
             x = layers.Conv2D(c, 1, use_bias=False)(x)
             x = layers.BatchNormalization()(x)
             x = layers.ReLU(6.0)(x)
+    x = layers.GlobalAveragePooling2D()(x)
+    return layers.Dense(NUM_CLASSES)(x)
+
+
+def _unet(keras, x, depth, base=16):
+    layers = keras.layers
+    if 32 % (2 ** depth):
+        raise ValueError(f"unet depth {depth} does not halve 32x32 inputs evenly")
+    skips = []
+    for level in range(depth):
+        x = _conv_bn_relu(keras, x, base * 2 ** level)
+        x = _conv_bn_relu(keras, x, base * 2 ** level)
+        skips.append(x)
+        x = layers.MaxPooling2D()(x)
+    x = _conv_bn_relu(keras, x, base * 2 ** depth)
+    for level in reversed(range(depth)):
+        x = layers.UpSampling2D()(x)
+        x = layers.Concatenate()([x, skips[level]])
+        x = _conv_bn_relu(keras, x, base * 2 ** level)
+        x = _conv_bn_relu(keras, x, base * 2 ** level)
     x = layers.GlobalAveragePooling2D()(x)
     return layers.Dense(NUM_CLASSES)(x)
