@@ -1,11 +1,11 @@
 """sntf: Superneurons-style memory management for TensorFlow 2.
 
     import sntf
-    sntf.enable(policy="off")       # or SNTF_POLICY=... in the environment
+    sntf.enable(budget="6GB")       # policy "auto"; or SNTF_BUDGET=6GB
     model.fit(...)                  # unchanged
     sntf.reports()                  # what the pass did to each graph
 
-See README.md for what each policy does and which are implemented.
+See README.md for what each policy does.
 """
 
 from __future__ import annotations
@@ -34,22 +34,25 @@ def enable(policy: str = "auto", budget: config.Budgetish = None,
 
     Args:
       policy: "off" (plugin loaded, graphs untouched), "recompute", "swap",
-        "swap+recompute" or "auto".
+        "swap+recompute" (recompute cheap activations, swap the rest to the
+        host pool) or "auto": with a budget, the least predicted extra time
+        per buffer (keep, recompute or swap) that fits it; without one, as
+        low as "swap+recompute" goes.
       budget: device-memory budget: bytes, a string such as "12GB" or
-        "512MiB", a fraction of device memory in (0, 1], or None.
+        "512MiB", a fraction of device memory in (0, 1], "auto" (the GPU's
+        memory on a GPU, none on CPU), or None.
       **options: see sntf.config.Options (identity_rewrite, batch_size,
-        host_pool_limit, max_reports).
+        host_pool_limit, max_reports, keep_graphs, recompute_mode,
+        swap_min_bytes, link_bandwidth, budget_behaviour).
 
     Raises:
       ValueError: a malformed policy, budget or option value.
       TypeError: an unknown option.
-      NotImplementedError: a policy whose capability is not built yet.
       RuntimeError: the plugin could not be registered (another graph plugin).
     """
     name = config.parse_policy(policy)
     parsed_budget = config.parse_budget(budget)
     parsed_options = config.parse_options(options)
-    config.require_implemented(name)
     if parsed_budget is not None and parsed_budget.bytes is not None:
         memory = config.device_memory_bytes()
         if parsed_budget.bytes > memory:
@@ -65,9 +68,10 @@ def enable(policy: str = "auto", budget: config.Budgetish = None,
         config.set_state(config.State(enabled=True, policy=name,
                                       budget=parsed_budget, options=parsed_options))
         if name != "off":
-            from sntf import xla
+            from sntf import keras_batch, xla
 
             xla.install_keras_guard()
+            keras_batch.install()
 
 
 def disable() -> None:
@@ -131,19 +135,7 @@ def _enable_from_environment() -> None:
     settings = config.from_environment()
     if settings is not None:
         policy, budget = settings
-        try:
-            enable(policy=policy,
-                   budget=None if budget is None else
-                   (budget.bytes if budget.bytes is not None else budget.fraction))
-        except NotImplementedError as e:
-            import os
-
-            if os.environ.get(config.ENV_POLICY, "").strip():
-                raise
-            raise NotImplementedError(
-                f"{config.ENV_POLICY} is unset, so with {config.ENV_BUDGET} set it "
-                f"defaults to 'auto': {e}. Set {config.ENV_POLICY}=off (or an "
-                "implemented policy).") from None
+        enable(policy=policy, budget=None if budget is None else budget.to_user())
 
 
 _enable_from_environment()

@@ -83,10 +83,20 @@ def new_report(name: str = "", nodes: int = 0) -> dict:
         "error": None,
         "invocations": 1,
         "batch": None,
+        # Where an unknown batch dimension was resolved from: "option
+        # batch_size", "the input Keras fit() feeds", or None.
+        "batch_source": None,
         "stage_seconds": {},
         "analysis": None,
         "analysis_error": None,
         "cudnn_workspace_limit_mb": None,
+        # Policy "auto" with a budget: the budget in bytes, whether the plan
+        # fits it, the least planned peak sntf could reach (when it does
+        # not), and the plan's predicted extra seconds per step.
+        "budget_bytes": None,
+        "budget_fits": None,
+        "achievable_peak_bytes": None,
+        "predicted_seconds_added": None,
     }
 
 
@@ -180,10 +190,16 @@ def _analyze(index: graph.GraphIndex, state: config.State,
         with _timed(report, "shapes"):
             props = decode_properties(properties(list(index.names)))
         batch = state.options.batch_size
+        source = "option batch_size" if batch is not None else None
         if batch is None and analysis.has_unknown_dims(props):
-            report["analysis_error"] = (
-                "the batch dimension is unknown in this graph; sizes assume a "
-                "batch of 1 (pass sntf.enable(..., batch_size=N))")
+            batch = config.runtime_batch()
+            if batch is not None:
+                source = "the input Keras fit() feeds"
+            else:
+                report["analysis_error"] = (
+                    "the batch dimension is unknown in this graph; sizes assume "
+                    "a batch of 1 (pass sntf.enable(..., batch_size=N))")
+        report["batch_source"] = source
         with _timed(report, "analysis"):
             facts = analysis.analyze(index, props, batch=batch)
     except Exception as e:  # noqa: BLE001 - the analysis must not fail the graph
@@ -201,11 +217,15 @@ def _on_gpu(index: graph.GraphIndex) -> bool:
     return any("GPU" in d.upper() for d in index.devices if d)
 
 
-def _budget_bytes(state: config.State) -> Optional[int]:
-    """The user's budget in bytes (None without one)."""
+def _budget_bytes(state: config.State, index: graph.GraphIndex) -> Optional[int]:
+    """The user's budget in bytes for this graph's device (None without one,
+    and for budget "auto" on a CPU graph)."""
     if state.budget is None:
         return None
-    return state.budget.resolve(config.device_memory_bytes())
+    gpu = _on_gpu(index)
+    if state.budget.auto and not gpu:
+        return None
+    return state.budget.resolve(config.device_memory_bytes(gpu=gpu))
 
 
 def _link_bandwidth(state: config.State, index: graph.GraphIndex) -> float:
@@ -260,6 +280,25 @@ def _planned(plan: planner.Plan, graph_def, before: graph.GraphIndex, props,
                                      batch=batch))
 
 
+def _protected(index: graph.GraphIndex) -> frozenset:
+    return frozenset(index.fetch) | frozenset(index.preserve)
+
+
+def _swap_plan(index: graph.GraphIndex, facts, props, state: config.State,
+               cache_budget: Optional[int]) -> planner.Plan:
+    """The swap plan of an analyzed graph (with a budget, through the
+    run-time tensor cache)."""
+    dtypes, shapes = {}, {}
+    for name, outs in props.items():
+        if name in index.index:
+            for port, (dtype, shape) in enumerate(outs):
+                dtypes[(index.node(name), port)] = dtype
+                shapes[(index.node(name), port)] = shape
+    plan = planner.plan_swap(index, facts, dtypes, state.options.swap_min_bytes,
+                             _link_bandwidth(state, index), _protected(index), shapes)
+    return dataclasses.replace(plan, cache_budget=cache_budget)
+
+
 def _stage_plan(kind: str, graph_def, index: graph.GraphIndex, facts, props,
                 state: config.State, cache_budget: Optional[int]):
     """One planning stage ("recompute" or "swap") on an analyzed graph.
@@ -267,23 +306,13 @@ def _stage_plan(kind: str, graph_def, index: graph.GraphIndex, facts, props,
     Returns:
       (plan, _Planned of the plan or None when the plan changes nothing).
     """
-    protected = frozenset(index.fetch) | frozenset(index.preserve)
     if kind == "recompute":
         if state.options.recompute_mode == "auto":
-            return _auto_recompute(graph_def, index, facts, props, protected)
+            return _auto_recompute(graph_def, index, facts, props, _protected(index))
         plan = planner.plan_recompute(index, facts, state.options.recompute_mode,
-                                      protected)
+                                      _protected(index))
     else:
-        dtypes, shapes = {}, {}
-        for name, outs in props.items():
-            if name in index.index:
-                for port, (dtype, shape) in enumerate(outs):
-                    dtypes[(index.node(name), port)] = dtype
-                    shapes[(index.node(name), port)] = shape
-        plan = planner.plan_swap(index, facts, dtypes, state.options.swap_min_bytes,
-                                 _link_bandwidth(state, index), protected, shapes)
-        # With a budget the swaps go through the run-time tensor cache.
-        plan = dataclasses.replace(plan, cache_budget=cache_budget)
+        plan = _swap_plan(index, facts, props, state, cache_budget)
     return plan, _planned(plan, graph_def, index, props, facts.batch)
 
 
@@ -325,7 +354,10 @@ def _auto_recompute(graph_def, index: graph.GraphIndex, facts, props,
 
 
 STAGES = {"recompute": ("recompute",), "swap": ("swap",),
-          "swap+recompute": ("recompute", "swap")}
+          "swap+recompute": ("recompute", "swap"),
+          # Without a budget "auto" goes as low as it can (with one, see
+          # _fit_budget).
+          "auto": ("recompute", "swap")}
 
 
 def _best_rewrite(graph_def, index: graph.GraphIndex, facts, props,
@@ -345,7 +377,9 @@ def _best_rewrite(graph_def, index: graph.GraphIndex, facts, props,
     if facts is None:
         plan = planner.identity_plan(state.policy, "no analysis: graph left unchanged")
         return plan, rewrite.apply_plan(graph_def, plan), None
-    budget = _budget_bytes(state)
+    budget = _budget_bytes(state, index)
+    if state.policy == "auto" and budget is not None:
+        return _fit_budget(graph_def, index, facts, props, state, budget, report)
     current = _Planned(graph_def, index, facts)
     decisions, notes, recomputes, swaps = [], [], (), ()
     for kind in stages:
@@ -372,7 +406,7 @@ def _best_rewrite(graph_def, index: graph.GraphIndex, facts, props,
     rewritten = current.graph_def
     cache_budget = budget if swaps else None
     if cache_budget is not None:
-        rewritten = _cache_thresholds(rewritten, current.index, current.facts, cache_budget)
+        rewritten = _cache_thresholds(rewritten, current.facts, cache_budget)
         notes.append(_cache_note(current.facts, cache_budget))
     plan = planner.Plan(policy=state.policy, decisions=tuple(decisions),
                         notes=tuple(notes), recomputes=recomputes, swaps=swaps,
@@ -381,27 +415,223 @@ def _best_rewrite(graph_def, index: graph.GraphIndex, facts, props,
     return plan, final, (current.facts if modified else None)
 
 
-def _cache_thresholds(graph_def, index: graph.GraphIndex, facts, budget: int):
-    """Sets each SnCacheOut's run-time threshold from the planned timeline.
+BUDGET_BEHAVIOURS = ("best_effort", "unchanged")
 
-    The planned peak assumes every swap copies. Keeping a tensor on the
-    device adds its bytes to every later step, so the cache may keep tensors
-    only within the headroom budget - planned peak. At run time a swap-out
-    compares the allocator's live bytes with the live bytes planned at its
-    step: threshold = budget - planned peak + planned live at that step, so
-    "live + tensor <= threshold" means "what the cache already keeps, plus
-    this tensor, fits the headroom". A budget below the planned peak leaves
-    no headroom: every swap copies.
+
+class _Selections:
+    """Planned peaks of option selections for the budget planner.
+
+    A selection's recomputations are applied first and its swaps planned
+    over the recomputed graph (clones then read swapped-in checkpoints), as
+    in "swap+recompute". Each recompute set's graph is kept, so trying swap
+    subsets over one recompute set rewrites the recomputation once.
+    """
+
+    def __init__(self, graph_def, index, facts, props, state, recompute_plan,
+                 budget: int):
+        self._base = _Planned(graph_def, index, facts)
+        self._props, self._state = props, state
+        self._recompute = recompute_plan
+        self._budget = budget
+        self._recomputed: dict = {}
+        self.results: dict = {}      # frozenset(options) -> (plan, _Planned)
+
+    def _recompute_stage(self, tensors: frozenset):
+        if tensors not in self._recomputed:
+            plan = _subset(self._recompute, tensors)
+            planned = None
+            if tensors:
+                planned = _planned(plan, self._base.graph_def, self._base.index,
+                                   self._props, self._base.facts.batch)
+            planned = planned or self._base
+            swaps = _swap_plan(planned.index, planned.facts,
+                               _with_generated(self._props, planned.index),
+                               self._state, self._budget)
+            self._recomputed[tensors] = (plan, planned, swaps)
+        return self._recomputed[tensors]
+
+    def peak(self, selection: tuple) -> int:
+        """Planned peak with `selection` applied (and its plan kept)."""
+        recompute = frozenset(t for o in selection if o.action == planner.RECOMPUTE
+                              for t in o.tensors)
+        swap = frozenset(t for o in selection if o.action == planner.SWAP
+                         for t in o.tensors)
+        plan, planned, swaps = self._recompute_stage(recompute)
+        swap_plan = _subset(swaps, swap)
+        if swap:
+            planned = _planned(swap_plan, planned.graph_def, planned.index,
+                               _with_generated(self._props, planned.index),
+                               self._base.facts.batch) or planned
+        combined = dataclasses.replace(
+            plan, decisions=plan.decisions + swap_plan.decisions,
+            swaps=swap_plan.swaps, cache_budget=self._budget if swap else None)
+        self.results[frozenset(selection)] = (combined, planned)
+        return planned.facts.predicted_peak_bytes
+
+    def excess(self, selection: tuple, budget: int) -> int:
+        """Bytes over `budget` summed over the planned timeline's steps (the
+        selection's peak must have been computed)."""
+        planned = self.results[frozenset(selection)][1]
+        return sum(max(0, b - budget) for b in planned.facts.timeline.device_bytes)
+
+
+def _subset(plan: planner.Plan, tensors: frozenset) -> planner.Plan:
+    """The part of a plan that decides `tensors`."""
+    return dataclasses.replace(
+        plan, decisions=tuple(d for d in plan.decisions if d.tensor in tensors),
+        recomputes=tuple(r for r in plan.recomputes if r.tensor in tensors),
+        swaps=tuple(s for s in plan.swaps if s.tensor in tensors))
+
+
+def budget_options(index: graph.GraphIndex, facts, recompute_plan: planner.Plan,
+                   swap_plan: planner.Plan) -> list:
+    """The budget planner's options: per buffer the backward pass keeps, its
+    recomputation (every recomputed tensor living in it) and its swap.
+
+    Args:
+      index, facts: the graph and its analysis.
+      recompute_plan, swap_plan: every recomputation and swap the planners
+        found on that graph.
+
+    Returns:
+      A list of sntf.budget.Option.
+    """
+    from sntf import budget as budget_planner
+
+    def unit(tensor: str):
+        node, _, port = tensor.rpartition(":")
+        return facts.buffer_of((index.node(node), int(port)))
+
+    grouped: dict = {}
+    for d in recompute_plan.decisions:
+        grouped.setdefault(unit(d.tensor), []).append(d)
+    options = [budget_planner.Option(
+        unit=u, action=planner.RECOMPUTE, tensors=tuple(d.tensor for d in ds),
+        bytes_saved=sum(d.bytes_saved or 0 for d in ds),
+        seconds=sum(d.seconds_added or 0.0 for d in ds))
+        for u, ds in grouped.items()]
+    options += [budget_planner.Option(
+        unit=unit(d.tensor), action=planner.SWAP, tensors=(d.tensor,),
+        bytes_saved=d.bytes_saved or 0, seconds=d.seconds_added or 0.0)
+        for d in swap_plan.decisions]
+    return options
+
+
+def budget_search(graph_def, index: graph.GraphIndex, facts, props,
+                  state: config.State, budget: int):
+    """What the budget planner searches over, for one analyzed graph.
+
+    Args:
+      graph_def, index, facts: the graph, its index and its analysis.
+      props: static properties per node name (decoded).
+      state: the switch state (options: recompute_mode, swap_min_bytes,
+        link_bandwidth).
+      budget: the byte budget.
+
+    Returns:
+      (options, selections): the sntf.budget.Option list, and a _Selections
+      whose peak(selection) rewrites and analyzes the graph with a selection
+      (and keeps each result in selections.results).
+    """
+    mode = "memory" if state.options.recompute_mode == "memory" else "speed"
+    recompute = planner.plan_recompute(index, facts, mode, _protected(index))
+    swaps = _swap_plan(index, facts, props, state, budget)
+    options = budget_options(index, facts, recompute, swaps)
+    return options, _Selections(graph_def, index, facts, props, state, recompute,
+                                budget)
+
+
+def _fit_budget(graph_def, index: graph.GraphIndex, facts, props,
+                state: config.State, budget: int, report: dict):
+    """Policy "auto" with a budget: the least predicted extra time whose
+    planned peak fits the budget less its margin (option budget_margin),
+    by sntf.budget.greedy over every buffer's options.
+
+    A budget that no plan reaches is reported and warned about once, with
+    the least planned peak found; then the option budget_behaviour decides:
+    "best_effort" applies that plan, "unchanged" leaves the graph alone.
+
+    Returns:
+      (plan, rewrite result, Analysis of the rewritten graph or None), as
+      _best_rewrite.
+    """
+    from sntf import budget as budget_planner
+
+    # The plan must fit under the budget less the analysis' error margin.
+    target = int(budget * (1.0 - state.options.budget_margin))
+    with _timed(report, "plan_auto"):
+        options, selections = budget_search(graph_def, index, facts, props, state,
+                                            budget)
+        choice = budget_planner.greedy(options, selections.peak, target,
+                                       excess_of=selections.excess)
+    plan, planned = selections.results[frozenset(choice.options)]
+    report["budget_fits"] = choice.fits
+    report["predicted_seconds_added"] = choice.seconds
+    counts = {a: sum(1 for o in choice.options if o.action == a)
+              for a in (planner.RECOMPUTE, planner.SWAP)}
+    note = (f"auto: budget {budget} bytes (plan target {target} bytes, "
+            f"margin {state.options.budget_margin:g}), predicted peak "
+            f"{facts.predicted_peak_bytes} -> planned {choice.peak} bytes with "
+            f"{counts[planner.RECOMPUTE]} buffer(s) recomputed and "
+            f"{counts[planner.SWAP]} swapped of {len(options)} option(s), "
+            f"{choice.seconds * 1e3:.3f} ms predicted extra per step, "
+            f"{choice.evaluations} plan(s) evaluated")
+    if not choice.fits:
+        report["achievable_peak_bytes"] = choice.peak
+        behaviour = state.options.budget_behaviour
+        warning = (f"sntf: budget {budget} bytes cannot be met for graph "
+                   f"{report['graph'] or '?'} (plan target {target} bytes, "
+                   f"budget_margin {state.options.budget_margin:g}): the least "
+                   "planned peak is "
+                   f"{choice.peak} bytes (lower bound of any plan "
+                   f"{facts.lower_bound_bytes} bytes); "
+                   + ("applying that plan (budget_behaviour='best_effort')"
+                      if behaviour == "best_effort" else
+                      "graph left unchanged (budget_behaviour='unchanged')"))
+        _warn_once(warning)
+        note += f"; {warning[len('sntf: '):]}"
+        if behaviour == "unchanged":
+            plan = planner.identity_plan("auto", note)
+            return plan, rewrite.RewriteResult(graph_def=graph_def, modified=False), None
+    plan = dataclasses.replace(plan, policy="auto", notes=(note,))
+    if planned is not None and planned.graph_def is not graph_def:
+        rewritten = planned.graph_def
+        if plan.swaps:
+            rewritten = _cache_thresholds(rewritten, planned.facts, budget)
+            plan = dataclasses.replace(plan, notes=plan.notes + (
+                _cache_note(planned.facts, budget),))
+        return plan, rewrite.RewriteResult(graph_def=rewritten, modified=True), planned.facts
+    return plan, rewrite.RewriteResult(graph_def=graph_def, modified=False), None
+
+
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    """Logs a warning the first time this exact message comes up."""
+    if message not in _warned and len(_warned) < 1000:
+        _warned.add(message)
+        logging.getLogger("sntf").warning(message)
+
+
+def _cache_thresholds(graph_def, facts, budget: int):
+    """Sets each SnCacheOut's run-time limits from the plan.
+
+    The planned peak assumes every swap copies, so cached tensors may use
+    only the headroom budget - planned peak: kept within it, they raise no
+    step of the plan above the budget, wherever that step lies. Each
+    SnCacheOut gets the budget (its live-bytes test, a guard for a plan that
+    under-estimates) and that headroom (its cap on the device's cached
+    bytes); a budget below the planned peak leaves no headroom, and every
+    swap copies.
     """
     out = type(graph_def)()
     out.CopyFrom(graph_def)
-    step_of = {node: s for s, node in enumerate(facts.schedule)}
-    headroom = budget - facts.predicted_peak_bytes
+    headroom = max(0, budget - facts.predicted_peak_bytes)
     for node in out.node:
         if node.op == names.CACHE_OUT_OP:
-            live = facts.timeline.device_bytes[step_of[index.node(node.name)]]
-            # No headroom: anything kept would add to a peak already over.
-            node.attr["budget"].i = headroom + live if headroom >= 0 else 0
+            node.attr["budget"].i = budget
+            node.attr["headroom"].i = headroom
     return out
 
 
@@ -513,8 +743,10 @@ def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
             planned_peak_bytes=(planned or facts).predicted_peak_bytes,
             lower_bound_bytes=facts.lower_bound_bytes)
         report["planned_peak_bytes"] = plan.planned_peak_bytes
-        if state.budget is not None:
-            limit = cudnn_workspace_limit_mb(_budget_bytes(state), plan.planned_peak_bytes)
+        budget = _budget_bytes(state, index)
+        report["budget_bytes"] = budget
+        if budget is not None:
+            limit = cudnn_workspace_limit_mb(budget, plan.planned_peak_bytes)
             report["cudnn_workspace_limit_mb"] = limit
             if _on_gpu(index):
                 _set_cudnn_workspace_limit(limit)
@@ -523,6 +755,7 @@ def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
         report["rewritten_graph"] = result.graph_def
         report["analysis_result"] = facts
         report["planned_analysis_result"] = planned
+        report["properties"] = props
     report["swapped"] = plan.tensors(planner.SWAP)
     report["recomputed"] = plan.tensors(planner.RECOMPUTE)
     report["plan"] = plan.to_dict()

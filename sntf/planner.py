@@ -74,16 +74,17 @@ def make_plan(policy: str) -> Plan:
     """Plans a training graph under `policy`.
 
     Args:
-      policy: a validated policy name. "off" is planned here; "recompute"
-        needs the analysis and goes through plan_recompute; sntf.enable
-        refuses the others, so reaching them here is a bug.
+      policy: a validated policy name. Only "off" is planned here; the
+        others need the analysis and go through the pipeline's stages, so
+        reaching them here is a bug.
 
     Returns:
       The Plan.
     """
     if policy == "off":
         return identity_plan(policy, "policy 'off': graph left as TensorFlow built it")
-    raise NotImplementedError(f"policy {policy!r} has no planner yet")
+    raise ValueError(f"policy {policy!r} is planned by the pipeline's stages, "
+                     "not by make_plan")
 
 
 # ---------------------------------------------------------------- recompute
@@ -487,10 +488,11 @@ def gradient_ancestor(g, facts, step_of: dict, reader: int,
 
 
 def _exposed_transfer(groups, transfer, g, step_of, elapsed) -> float:
-    """Predicted extra time: transfer not hidden behind the ops between each
-    swap-in's trigger and its first reader (the swap-out overlaps the
-    forward pass and is not counted)."""
-    exposed = 0.0
+    """Predicted extra time: the swap-out's transfer (the tensor's forward
+    readers wait for it, see Swap.forward_readers), plus each swap-in's
+    transfer not hidden behind the ops between its trigger and its first
+    reader."""
+    exposed = transfer
     for group in groups:
         start = step_of[g.node(group.trigger)]
         end = step_of[g.node(group.consumers[0][0])]

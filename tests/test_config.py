@@ -1,6 +1,7 @@
 """Tests for sntf.config: budgets, policies, options and the environment."""
 
 import math
+import os
 
 import pytest
 
@@ -180,28 +181,52 @@ def test_parse_policy_rejects(value):
         "'off', 'recompute', 'swap', 'swap+recompute', 'auto'")
 
 
-def test_require_implemented_off():
-    assert config.require_implemented("off") is None
+@pytest.mark.parametrize("value", ["auto", " AUTO ", "Auto"])
+def test_budget_auto(value):
+    budget = config.parse_budget(value)
+    assert budget == Budget(auto=True)
+    assert budget.to_user() == "auto"
+    # On a device of 16 GB, "auto" is all of it (the pass asks for no budget
+    # at all on a CPU graph; see test_pipeline).
+    assert budget.resolve(16 * GB) == 16 * GB
+    assert "auto" in budget.describe()
 
 
-@pytest.mark.parametrize("policy, capability", [
-    ("auto", "issue #6"),
-])
-def test_require_implemented_refuses(policy, capability):
-    with pytest.raises(NotImplementedError) as excinfo:
-        config.require_implemented(policy)
-    message = str(excinfo.value)
-    assert f"policy {policy!r} needs" in message
-    assert capability in message
-    assert config.POLICY_CAPABILITY[policy] in message
-    assert message.endswith(
-        "available now: 'off', 'recompute', 'swap', 'swap+recompute'")
+def test_budget_to_user_round_trips():
+    for value in (12 * GB, 0.5, "auto"):
+        assert config.parse_budget(config.parse_budget(value).to_user()) == \
+            config.parse_budget(value)
 
 
-def test_every_policy_is_implemented_or_has_a_capability():
-    assert set(config.POLICIES) == (set(config.IMPLEMENTED_POLICIES)
-                                    | set(config.POLICY_CAPABILITY))
-    assert not set(config.IMPLEMENTED_POLICIES) & set(config.POLICY_CAPABILITY)
+@pytest.mark.parametrize("value", ["best_effort", "unchanged"])
+def test_budget_behaviour_accepted(value):
+    assert config.parse_options({"budget_behaviour": value}).budget_behaviour == value
+
+
+@pytest.mark.parametrize("value", ["best-effort", "", None, 1, "skip"])
+def test_budget_behaviour_rejected(value):
+    with pytest.raises(ValueError) as excinfo:
+        config.parse_options({"budget_behaviour": value})
+    assert str(excinfo.value) == ("sntf: budget_behaviour must be 'best_effort' or "
+                                  f"'unchanged', got {value!r}")
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 0.08, 0.49])
+def test_budget_margin_accepted(value):
+    assert config.parse_options({"budget_margin": value}).budget_margin == value
+
+
+@pytest.mark.parametrize("value", [-0.1, 0.5, 1, float("nan"), "0.1", True, None])
+def test_budget_margin_rejected(value):
+    with pytest.raises(ValueError) as excinfo:
+        config.parse_options({"budget_margin": value})
+    assert str(excinfo.value) == ("sntf: budget_margin must be a number in [0, 0.5), "
+                                  f"got {value!r}")
+
+
+def test_cpu_device_memory_is_ram():
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert config.device_memory_bytes() == ram
 
 
 # --------------------------------------------------------------------------
@@ -219,7 +244,8 @@ def test_option_names():
     assert config.OPTION_NAMES == ("identity_rewrite", "batch_size",
                                    "host_pool_limit", "max_reports", "keep_graphs",
                                    "recompute_mode", "swap_min_bytes",
-                                   "link_bandwidth")
+                                   "link_bandwidth", "budget_behaviour",
+                                   "budget_margin")
 
 
 def test_parse_options_values():
@@ -238,7 +264,8 @@ def test_parse_options_unknown_key():
     assert str(excinfo.value) == (
         "sntf.enable() got unknown option(s) ['alpha', 'zeta']; accepted "
         "options: identity_rewrite, batch_size, host_pool_limit, max_reports, "
-        "keep_graphs, recompute_mode, swap_min_bytes, link_bandwidth")
+        "keep_graphs, recompute_mode, swap_min_bytes, link_bandwidth, "
+        "budget_behaviour, budget_margin")
 
 
 @pytest.mark.parametrize("options, fragment", [

@@ -197,12 +197,12 @@ def test_help():
     assert "build_model" in run.stdout
 
 
-def test_unimplemented_policy_exits_2(tmp_path):
+def test_bad_budget_behaviour_free_budget_exits_2(tmp_path):
     model = tmp_path / "m.py"
     model.write_text(MODEL_FILE)
     line = _one_line_error(_tool("--model", model, "--batch", 4, "--policy", "auto",
-                                 "--out", tmp_path / "out"))
-    assert "NotImplemented" in line and "issue" in line
+                                 "--budget", "-3", "--out", tmp_path / "out"))
+    assert "invalid budget '-3'" in line and "'auto'" in line
     assert not (tmp_path / "out").exists()
 
 

@@ -19,7 +19,8 @@ REPORT_KEYS = {"graph", "training", "nodes", "action", "reason", "policy",
                "predicted_peak_bytes", "planned_peak_bytes", "lower_bound_bytes",
                "pass_seconds", "swapped", "recomputed", "fetch", "devices",
                "error", "invocations", "batch", "analysis", "analysis_error", "stage_seconds",
-               "cudnn_workspace_limit_mb"}
+               "cudnn_workspace_limit_mb", "budget_bytes", "budget_fits",
+               "achievable_peak_bytes", "predicted_seconds_added", "batch_source"}
 OFF = config.State(enabled=True, policy="off")
 OFF_IDENTITY = config.State(enabled=True, policy="off",
                             options=config.Options(identity_rewrite=True))
@@ -167,16 +168,16 @@ def test_malformed_graph_reports_error(family, reason):
     assert "GraphError" in result.report["error"]
 
 
-@pytest.mark.parametrize("policy", ["auto"])
-def test_unimplemented_policy_on_training_graph_reports_error(policy):
-    result = run(graphs.train_mlp(), config.State(enabled=True, policy=policy))
+@pytest.mark.parametrize("budget", [None, config.Budget(bytes=1)])
+def test_auto_without_static_shapes_leaves_the_graph_and_says_why(budget):
+    result = run(graphs.train_mlp(), config.State(enabled=True, policy="auto",
+                                                  budget=budget))
     assert result.graph_def is None
     report = result.report
-    assert report["action"] == "error"
-    assert report["reason"] == (f"NotImplementedError: policy {policy!r} has no "
-                                "planner yet")
+    assert report["action"] == "unchanged"
     assert report["training"] is True
-    assert "make_plan" in report["error"]
+    assert report["analysis_error"] == "no static properties were handed over"
+    assert "no analysis: graph left unchanged" in report["reason"]
 
 
 @pytest.mark.parametrize("state", [OFF, OFF_IDENTITY], ids=["off", "identity"])
@@ -346,10 +347,11 @@ def test_identity_and_off_plans():
 
 
 @pytest.mark.parametrize("policy", ["recompute", "swap", "swap+recompute", "auto"])
-def test_make_plan_unimplemented(policy):
-    with pytest.raises(NotImplementedError) as excinfo:
+def test_make_plan_plans_only_off(policy):
+    with pytest.raises(ValueError) as excinfo:
         planner.make_plan(policy)
-    assert str(excinfo.value) == f"policy {policy!r} has no planner yet"
+    assert str(excinfo.value) == (f"policy {policy!r} is planned by the pipeline's "
+                                  "stages, not by make_plan")
 
 
 # --------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 import sntf
-from sntf import _native, plugin
+from sntf import _native, config, plugin
 
 # A tiny training step used by the subprocess scenarios: returns the loss of
 # a few SGD steps so that results can be compared with and without sntf.
@@ -55,12 +55,14 @@ def test_bad_policy_is_a_value_error_listing_policies(policy):
     assert "'swap+recompute'" in str(e.value) and "'off'" in str(e.value)
 
 
-@pytest.mark.parametrize("policy,capability", [("auto", "#6")])
-def test_unimplemented_policy_says_which_capability_brings_it(policy, capability):
-    with pytest.raises(NotImplementedError) as e:
+@pytest.mark.parametrize("policy", ["off", "recompute", "swap", "swap+recompute",
+                                    "auto"])
+def test_every_policy_enables(policy):
+    try:
         sntf.enable(policy=policy)
-    assert capability in str(e.value)
-    assert not sntf.enabled()
+        assert sntf.enabled() and config.current().policy == policy
+    finally:
+        sntf.enable(policy="off")
 
 
 def test_unknown_option_is_a_type_error():
@@ -332,10 +334,14 @@ print("RESULT " + json.dumps({"child_status": status}))
     assert run.result()["child_status"] == 0, run.stderr[-2000:]
 
 
-def test_budget_without_policy_names_the_missing_variable(fresh_python):
-    run = fresh_python("import sntf", env={"SNTF_BUDGET": "1GB"})
-    assert run.returncode == 1
-    assert "SNTF_POLICY is unset" in run.stderr and "SNTF_POLICY=off" in run.stderr
+def test_budget_without_policy_means_auto(fresh_python):
+    run = fresh_python("""
+        import json, sntf
+        from sntf import config
+        state = config.current()
+        print("RESULT " + json.dumps([state.enabled, state.policy, state.budget.bytes]))
+    """, env={"SNTF_BUDGET": "1GB"})
+    assert run.result() == [True, "auto", 10**9], run.stderr[-2000:]
 
 
 def test_clear_reports_starts_every_thread_afresh():

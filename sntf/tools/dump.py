@@ -86,14 +86,12 @@ flags.DEFINE_string("model", None,
                     "make_data(n) -> (x, y))", flag_values=FLAGS)
 flags.DEFINE_integer("batch", None, "batch size (required, > 0)", flag_values=FLAGS)
 flags.DEFINE_string("policy", "off",
-                    "sntf policy: " + ", ".join(config.POLICIES)
-                    + " (implemented now: "
-                    + ", ".join(sorted(config.IMPLEMENTED_POLICIES)) + ")",
+                    "sntf policy: " + ", ".join(config.POLICIES),
                     flag_values=FLAGS)
 flags.DEFINE_string("budget", None,
                     "device-memory budget passed to sntf: bytes, a size such "
                     "as 12GB or 512MiB, or a fraction of device memory such "
-                    "as 0.5 or 50%", flag_values=FLAGS)
+                    "as 0.5 or 50%, or auto", flag_values=FLAGS)
 flags.DEFINE_string("out", "sntf_dump_out", "output folder", flag_values=FLAGS)
 flags.DEFINE_integer("steps", 1, "training steps (steps * batch samples)",
                      flag_values=FLAGS)
@@ -146,10 +144,6 @@ def parse_flags(argv: list) -> Settings:
         policy = config.parse_policy(FLAGS.policy)
     except ValueError as e:
         raise DumpError(f"--policy: {e}") from None
-    try:
-        config.require_implemented(policy)
-    except NotImplementedError as e:
-        raise DumpError(f"NotImplementedError: {e}") from None
     budget_text = FLAGS.budget if FLAGS.budget not in (None, "", "none", "None") else None
     try:
         budget = config.parse_budget(budget_text)
@@ -647,12 +641,8 @@ def run(settings: Settings) -> int:
 
     try:
         sntf.enable(policy=settings.policy,
-                    budget=None if settings.budget is None else (
-                        settings.budget.bytes if settings.budget.bytes is not None
-                        else settings.budget.fraction),
+                    budget=None if settings.budget is None else settings.budget.to_user(),
                     batch_size=settings.batch, keep_graphs=True)
-    except NotImplementedError as e:
-        raise DumpError(f"NotImplementedError: {e}") from None
     except (ValueError, TypeError) as e:
         raise DumpError(_one_line(e)) from None
 

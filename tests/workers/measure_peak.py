@@ -43,7 +43,10 @@ Result keys:
   step_peaks_bytes      the process peak after each step (a running max)
   training_reports      one dict per sntf training report: graph, nodes,
                         predicted_peak_bytes, lower_bound_bytes,
-                        pass_seconds, invocations, action       (sntf enabled)
+                        pass_seconds, invocations, action, budget_bytes,
+                        budget_fits, achievable_peak_bytes,
+                        predicted_seconds_added, reason, and the counts
+                        swapped and recomputed                  (sntf enabled)
   nodes                 list: nodes of each training report
   predicted_peak_bytes  the last training report that has one (the graph that ran)
   lower_bound_bytes     the last training report that has one
@@ -215,8 +218,14 @@ def _run(args):
         reports = sntf.reports()
         training = [r for r in reports if r.get("training")]
         keys = ("graph", "nodes", "predicted_peak_bytes", "planned_peak_bytes",
-                "lower_bound_bytes", "pass_seconds", "invocations", "action")
-        result["training_reports"] = [{k: r.get(k) for k in keys} for r in training]
+                "lower_bound_bytes", "pass_seconds", "invocations", "action",
+                "budget_bytes", "budget_fits", "achievable_peak_bytes",
+                "predicted_seconds_added", "reason")
+        result["training_reports"] = [
+            dict({k: r.get(k) for k in keys},
+                 swapped=len(r.get("swapped") or ()),
+                 recomputed=len(r.get("recomputed") or ()))
+            for r in training]
         result["nodes"] = [r.get("nodes") for r in training]
         result["reports_total"] = len(reports)
         result["sntf_stats"] = sntf.stats()

@@ -1,0 +1,252 @@
+"""The budget planner (policy "auto"): its search on hand-made peak functions,
+the greedy heuristic against the exact solver on small training graphs, and
+the pass's reports for budgets that fit and budgets that cannot."""
+
+import logging
+
+import pytest
+
+from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder, properties_fn
+from sntf import analysis, budget, config, pipeline, planner
+from sntf import graph as G
+
+MIB = 1 << 20
+
+
+# --------------------------------------------------------------------------
+# The search, on hand-made peak functions
+# --------------------------------------------------------------------------
+
+def _option(unit, action, saved, seconds):
+    return budget.Option(unit=unit, action=action, tensors=(f"{unit}:{action}",),
+                         bytes_saved=saved, seconds=seconds)
+
+
+def _additive(base):
+    """Peak = base - the bytes every selected option saves."""
+    return lambda selection: base - sum(o.bytes_saved for o in selection)
+
+
+def test_ranked_keeps_the_best_option_of_each_unit():
+    swap_a = _option("a", planner.SWAP, 100, 0.0)          # free: hidden transfer
+    rec_a = _option("a", planner.RECOMPUTE, 100, 1.0)
+    rec_b = _option("b", planner.RECOMPUTE, 50, 1.0)
+    nothing = _option("c", planner.SWAP, 0, 0.0)            # saves nothing
+    assert budget.ranked([rec_a, rec_b, swap_a, nothing]) == [swap_a, rec_b]
+
+
+def test_greedy_stops_as_soon_as_the_budget_fits():
+    options = [_option(u, planner.SWAP, 10, s) for u, s in
+               (("a", 1.0), ("b", 2.0), ("c", 4.0), ("d", 8.0))]
+    choice = budget.greedy(options, _additive(100), 80)
+    assert choice.fits and choice.peak == 80
+    assert sorted(o.unit for o in choice.options) == ["a", "b"]
+    assert choice.seconds == 3.0
+    # Already within budget: nothing chosen, one evaluation.
+    assert budget.greedy(options, _additive(100), 100) == budget.Choice((), 100, True, 1)
+
+
+def test_greedy_reports_the_least_peak_when_nothing_fits():
+    options = [_option(u, planner.SWAP, 10, 1.0) for u in "ab"]
+    choice = budget.greedy(options, _additive(100), 50)
+    assert not choice.fits and choice.peak == 80 and len(choice.options) == 2
+
+
+def test_greedy_drops_options_that_later_ones_made_unnecessary():
+    # Ranked by bytes per second: a (10 B/s), then big (9 B/s). The prefix
+    # that fits holds both, but big alone fits and costs less than both.
+    a = _option("a", planner.SWAP, 10, 1.0)
+    big = _option("big", planner.SWAP, 90, 10.0)
+    choice = budget.greedy([a, big], _additive(100), 15)
+    assert choice.options == (big,) and choice.fits
+
+
+def test_exact_finds_the_cheapest_fitting_combination():
+    options = [_option("a", planner.SWAP, 30, 3.0), _option("a", planner.RECOMPUTE, 30, 1.0),
+               _option("b", planner.SWAP, 20, 1.0), _option("c", planner.SWAP, 50, 10.0)]
+    choice = budget.exact(options, _additive(100), 50)
+    assert choice.fits and choice.peak == 50
+    assert {(o.unit, o.action) for o in choice.options} == {
+        ("a", planner.RECOMPUTE), ("b", planner.SWAP)}
+    assert choice.seconds == 2.0
+    assert budget.exact(options, _additive(100), -1) is None
+    with pytest.raises(ValueError):
+        budget.exact(options, _additive(100), 50, max_combinations=3)
+
+
+# --------------------------------------------------------------------------
+# Small training graphs: greedy against exact
+# --------------------------------------------------------------------------
+
+def mlp_step(widths=(256, 192, 320, 128, 256), batch=512):
+    """A dense network's training step: pre_i = h_{i-1} W_i, h_i = relu(pre_i),
+    loss = sum(h_L), and SGD on every W_i.
+
+    The backward pass reads pre_i (ReluGrad on the features) and h_{i-1}
+    (for dW_i), so each layer holds two buffers worth freeing: h_i can be
+    recomputed (one Relu) or swapped, pre_i only swapped (the last layer's
+    buffers have no earlier backward op to start a swap-in). About 10 ops
+    per layer; five layers stay under 60 ops.
+    """
+    b = GraphBuilder()
+    shapes = {}
+    b.arg("x")
+    shapes["x"] = (batch, widths[0])
+    prev = "x"
+    for i, width in enumerate(widths[1:], 1):
+        b.arg(f"w{i}", DT_RESOURCE).read(f"w{i}_read", f"w{i}")
+        shapes[f"w{i}_read"] = (widths[i - 1], width)
+        b.op("MatMul", f"pre{i}", [prev, f"w{i}_read"], T=DT_FLOAT)
+        b.op("Relu", f"h{i}", [f"pre{i}"], T=DT_FLOAT)
+        shapes[f"pre{i}"] = shapes[f"h{i}"] = (batch, width)
+        prev = f"h{i}"
+    layers = len(widths) - 1
+    b.const("axes", [0, 1], DT_INT32).op("Sum", "loss", [prev, "axes"], T=DT_FLOAT)
+    b.const("grad/ones", 1.0, shape=(batch, widths[-1]))
+    shapes["grad/ones"] = (batch, widths[-1])
+    b.const("lr", 0.01)
+    grad = "grad/ones"
+    for i in range(layers, 0, -1):
+        below = "x" if i == 1 else f"h{i - 1}"
+        b.op("ReluGrad", f"grad/pre{i}", [grad, f"pre{i}"], T=DT_FLOAT)
+        shapes[f"grad/pre{i}"] = (batch, widths[i])
+        b.op("MatMul", f"grad/w{i}", [below, f"grad/pre{i}"], T=DT_FLOAT,
+             transpose_a=True)
+        shapes[f"grad/w{i}"] = shapes[f"sgd/mul{i}"] = (widths[i - 1], widths[i])
+        b.op("Mul", f"sgd/mul{i}", ["lr", f"grad/w{i}"], T=DT_FLOAT)
+        b.op("AssignSubVariableOp", f"sgd/update{i}", [f"w{i}", f"sgd/mul{i}"],
+             dtype=DT_FLOAT)
+        if i > 1:
+            b.op("MatMul", f"grad/h{i - 1}", [f"grad/pre{i}", f"w{i}_read"],
+                 T=DT_FLOAT, transpose_b=True)
+            shapes[f"grad/h{i - 1}"] = (batch, widths[i - 1])
+            grad = f"grad/h{i - 1}"
+    b.retval("ret", "loss")
+    graph_def = b.build()
+    props = {}
+    for node in graph_def.node:
+        if node.op in ("_Retval", "AssignSubVariableOp"):
+            props[node.name] = []
+        elif node.op == "_Arg" and node.name != "x":
+            props[node.name] = [(DT_RESOURCE, ())]
+        elif node.name == "axes":
+            props[node.name] = [(DT_INT32, (2,))]
+        else:
+            props[node.name] = [(DT_FLOAT, shapes.get(node.name, ()))]
+    return graph_def, props
+
+
+STATE = config.State(enabled=True, policy="auto", options=config.Options(
+    swap_min_bytes=0, link_bandwidth=4e9))
+
+
+def _search(graph_def, props, budget_bytes, state=STATE):
+    index = G.build_index(graph_def, ["ret"])
+    facts = analysis.analyze(index, props)
+    options, selections = pipeline.budget_search(graph_def, index, facts, props,
+                                                 state, budget_bytes)
+    return facts, options, selections
+
+
+@pytest.mark.parametrize("widths", [(256, 192, 320, 128, 256),
+                                    (128, 384, 384, 256, 64, 192)],
+                         ids=["4-layers", "5-layers"])
+def test_greedy_is_within_ten_percent_of_the_exact_solver(widths):
+    graph_def, props = mlp_step(widths)
+    assert len(graph_def.node) <= 60
+    facts, options, selections = _search(graph_def, props, 1 << 40)
+    kinds = {o.action for o in options}
+    assert kinds == {planner.RECOMPUTE, planner.SWAP}, options
+    assert len({o.unit for o in options}) >= 2 * (len(widths) - 2)
+    baseline = facts.predicted_peak_bytes
+    least = budget.greedy(options, selections.peak, 0).peak
+    assert least < 0.8 * baseline
+    compared = 0
+    for fraction in (0.95, 0.85, 0.75, 0.65, 0.55, 0.45):
+        target = int(least + fraction * (baseline - least))
+        exact = budget.exact(options, selections.peak, target)
+        heuristic = budget.greedy(options, selections.peak, target,
+                                  excess_of=selections.excess)
+        assert exact is not None and exact.fits
+        assert heuristic.fits and heuristic.peak <= target
+        assert heuristic.seconds <= 1.10 * exact.seconds + 1e-12, (
+            fraction, heuristic, exact)
+        compared += 1
+    assert compared == 6
+
+
+def test_pass_fits_the_budget_with_the_planned_peak():
+    graph_def, props = mlp_step()
+    facts, _, _ = _search(graph_def, props, 1 << 40)
+    target = int(0.8 * facts.predicted_peak_bytes)
+    state = config.State(enabled=True, policy="auto", budget=config.Budget(bytes=target),
+                         options=STATE.options)
+    margin = STATE.options.budget_margin
+    assert margin == config.Options().budget_margin > 0
+    result = pipeline.run_pass(graph_def.SerializeToString(), ["ret"], [], state,
+                               properties_fn(props))
+    report = result.report
+    assert report["action"] == "rewritten", report
+    assert report["budget_bytes"] == target and report["budget_fits"] is True
+    # The plan fits under the budget less the margin for the analysis' error.
+    assert report["planned_peak_bytes"] <= int(target * (1 - margin))
+    assert target < report["predicted_peak_bytes"]
+    assert f"plan target {int(target * (1 - margin))} bytes" in report["reason"]
+    assert report["achievable_peak_bytes"] is None
+    assert report["predicted_seconds_added"] > 0
+    assert "auto: budget" in report["reason"]
+    assert report["swapped"] or report["recomputed"]
+    # The graph that comes back is the one whose planned peak was reported.
+    index = G.build_index(result.graph_def, ["ret"])
+    again = analysis.analyze(index, pipeline._with_generated(props, index))
+    assert again.predicted_peak_bytes == report["planned_peak_bytes"]
+
+
+def test_a_budget_that_already_fits_changes_nothing():
+    graph_def, props = mlp_step()
+    state = config.State(enabled=True, policy="auto",
+                         budget=config.Budget(bytes=1 << 40), options=STATE.options)
+    report = pipeline.run_pass(graph_def.SerializeToString(), ["ret"], [], state,
+                               properties_fn(props)).report
+    assert report["action"] == "unchanged" and report["budget_fits"] is True
+    assert report["swapped"] == [] and report["recomputed"] == []
+
+
+@pytest.mark.parametrize("behaviour", ["best_effort", "unchanged"])
+def test_an_infeasible_budget_is_reported_warned_once_and_handled(behaviour, caplog):
+    graph_def, props = mlp_step()
+    state = config.State(enabled=True, policy="auto", budget=config.Budget(bytes=1024),
+                         options=config.Options(swap_min_bytes=0, link_bandwidth=4e9,
+                                                budget_behaviour=behaviour))
+    pipeline._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="sntf"):
+        reports = [pipeline.run_pass(graph_def.SerializeToString(), ["ret"], [], state,
+                                     properties_fn(props)) for _ in range(2)]
+    report = reports[0].report
+    assert report["budget_fits"] is False
+    achievable = report["achievable_peak_bytes"]
+    assert report["lower_bound_bytes"] <= achievable < report["predicted_peak_bytes"]
+    assert f"the least planned peak is {achievable} bytes" in report["reason"]
+    warnings = [r for r in caplog.records if "cannot be met" in r.getMessage()]
+    assert len(warnings) == 1                      # logged once for two passes
+    assert behaviour in warnings[0].getMessage()
+    if behaviour == "unchanged":
+        assert reports[0].graph_def is None and report["action"] == "unchanged"
+        assert report["planned_peak_bytes"] == report["predicted_peak_bytes"]
+    else:
+        assert report["action"] == "rewritten"
+        assert report["planned_peak_bytes"] == achievable
+
+
+def test_auto_budget_means_no_budget_on_a_cpu_graph():
+    graph_def, props = mlp_step()
+    auto = config.State(enabled=True, policy="auto", budget=config.Budget(auto=True),
+                        options=STATE.options)
+    none = config.State(enabled=True, policy="auto", options=STATE.options)
+    first, second = (pipeline.run_pass(graph_def.SerializeToString(), ["ret"], [], s,
+                                       properties_fn(props)).report for s in (auto, none))
+    assert first["budget_bytes"] is None and first["budget_fits"] is None
+    # Without a budget "auto" goes as low as swap+recompute does.
+    assert first["planned_peak_bytes"] == second["planned_peak_bytes"]
+    assert first["planned_peak_bytes"] < first["predicted_peak_bytes"]
+    assert first["swapped"] and first["recomputed"]
