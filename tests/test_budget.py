@@ -250,3 +250,73 @@ def test_auto_budget_means_no_budget_on_a_cpu_graph():
     assert first["planned_peak_bytes"] == second["planned_peak_bytes"]
     assert first["planned_peak_bytes"] < first["predicted_peak_bytes"]
     assert first["swapped"] and first["recomputed"]
+
+
+# --------------------------------------------------------------------------
+# End to end: Keras models under a budget (fresh processes)
+# --------------------------------------------------------------------------
+
+def _identical(base, weights, result, got, what):
+    assert result["losses"] == base["losses"], what
+    assert got.keys() == weights.keys(), what
+    for k in weights:
+        assert got[k].tobytes() == weights[k].tobytes(), (what, k)
+    assert not [r for r in result["reports"] if r["action"] == "error"], what
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["resnet", "unet", "transformer"])
+def test_auto_under_a_budget_trains_bit_identically(fresh_python, tmp_path, family):
+    from conftest import train_family
+
+    base, weights = train_family(fresh_python, tmp_path / "base.npz", family)
+    for fraction in (0.7, 0.35):
+        budget_bytes = int(fraction * base["peak_bytes"])
+        result, got = train_family(fresh_python, tmp_path / "auto.npz", family,
+                                   "--sntf", "auto", "--budget", str(budget_bytes),
+                                   "--swap-min-bytes", "4096")
+        _identical(base, weights, result, got, (family, fraction))
+        training = [r for r in result["reports"]
+                    if r["training"] and r["budget_bytes"] is not None]
+        assert training, result["reports"]
+        assert all(r["budget_bytes"] == budget_bytes for r in training)
+        assert any(r["action"] == "rewritten" for r in training), training
+
+
+@pytest.mark.slow
+def test_batch_comes_from_the_input_fit_feeds_and_survives_a_partial_batch(
+        fresh_python, tmp_path):
+    from conftest import train_family
+
+    flags = ("--extra-samples", "3")          # a last batch of 3
+    base, weights = train_family(fresh_python, tmp_path / "base.npz", "resnet",
+                                 *flags, steps=3, batch=8)
+    result, got = train_family(fresh_python, tmp_path / "auto.npz", "resnet", *flags,
+                               "--sntf", "auto", "--no-batch-option",
+                               "--swap-min-bytes", "4096", steps=3, batch=8)
+    assert len(base["losses"]) == 4
+    _identical(base, weights, result, got, "partial batch")
+    training = [r for r in result["reports"] if r["training"] and r["batch"] is not None]
+    assert training and all(r["batch"] == 8 for r in training), result["reports"]
+    assert all(r["batch_source"] == "the input Keras fit() feeds" for r in training)
+    assert any(r["action"] == "rewritten" for r in training)
+
+
+def test_dataset_batch_reads_the_constant_batch_size():
+    import tensorflow as tf
+
+    from sntf import keras_batch
+
+    data = tf.data.Dataset.range(100).map(lambda x: x * 2).batch(16).prefetch(2)
+    assert keras_batch.dataset_batch(data) == 16
+    assert keras_batch.dataset_batch(tf.data.Dataset.range(10)) is None
+    assert keras_batch.dataset_batch(None) is None
+
+    class Adapter:
+        batch_size = 64
+
+    class Strategy:
+        num_replicas_in_sync = 2
+
+    assert keras_batch.adapter_batch(Adapter()) == 64
+    assert keras_batch.adapter_batch(Adapter(), Strategy()) == 32

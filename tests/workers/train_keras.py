@@ -85,6 +85,13 @@ def main():
                         help="a Keras dtype policy, e.g. mixed_bfloat16")
     parser.add_argument("--custom-loop", action="store_true",
                         help="train with a tf.function GradientTape loop, not fit()")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="budget in bytes (with --sntf auto)")
+    parser.add_argument("--no-batch-option", action="store_true",
+                        help="enable sntf without batch_size: the batch comes "
+                             "from the input fit() feeds")
+    parser.add_argument("--extra-samples", type=int, default=0,
+                        help="samples beyond steps*batch: a last partial batch")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -100,12 +107,14 @@ def main():
             options["recompute_mode"] = args.recompute_mode
         if args.swap_min_bytes is not None:
             options["swap_min_bytes"] = args.swap_min_bytes
-        sntf.enable(policy=args.sntf, batch_size=args.batch, **options)
+        if not args.no_batch_option:
+            options["batch_size"] = args.batch
+        sntf.enable(policy=args.sntf, budget=args.budget, **options)
     tf.config.experimental.enable_op_determinism()
     if args.mixed_precision:
         keras.mixed_precision.set_global_policy(args.mixed_precision)
     keras.utils.set_random_seed(1234)
-    n = args.steps * args.batch
+    n = args.steps * args.batch + args.extra_samples
     if args.family:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
             os.path.abspath(__file__)))))
@@ -156,7 +165,9 @@ def main():
 
         result["reports"] = [
             {k: r[k] for k in ("graph", "training", "nodes", "action", "reason",
-                               "invocations", "swapped", "recomputed")}
+                               "invocations", "swapped", "recomputed", "batch",
+                               "batch_source", "budget_bytes", "budget_fits",
+                               "planned_peak_bytes", "predicted_peak_bytes")}
             for r in sntf.reports()]
         result["stats"] = sntf.stats()
     print("RESULT " + json.dumps(result))
