@@ -1,6 +1,6 @@
 """Benchmarks sntf's policies against TensorFlow and the user's alternatives.
 
-    python tools/bench_policies.py --suite recompute|swap
+    python tools/bench_policies.py --suite recompute|swap|budget
                                    [--models vgg,resnet,densenet,resnet:8]
                                    [--batch 32] [--steps 6] [--repeats 1]
                                    [--out BENCHMARKS_<suite>.md]
@@ -21,6 +21,12 @@ processes (tests/workers/measure_peak.py), one per configuration.
   TensorFlow, sntf recompute (auto), sntf swap, sntf swap+recompute, and
   swap+recompute with a budget of half TensorFlow's measured peak (the
   run-time tensor cache keeps what fits and copies the rest)
+--suite budget:
+  TensorFlow, sntf auto without a budget, and sntf auto with budgets of
+  0.7, 0.5 and 0.35 of TensorFlow's measured peak; with the budget, the
+  measured peak / budget, whether the plan fits (the budget less its
+  margin), the least planned peak where it does not, and how many buffers
+  the plan swaps and recomputes
 
 It tabulates the CPU:0 device peak and the median step time (steps after
 the first), each with its ratio to TensorFlow's, sntf's planned peak and
@@ -44,7 +50,8 @@ sys.path.insert(0, REPO)
 import measure_peak  # noqa: E402  (tests/workers, added to sys.path above)
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("suite", "recompute", ["recompute", "swap"], "which configurations")
+flags.DEFINE_enum("suite", "recompute", ["recompute", "swap", "budget"],
+                  "which configurations")
 flags.DEFINE_string("models", "vgg,resnet,densenet,resnet:8",
                     "comma-separated family or family:depth")
 flags.DEFINE_integer("batch", 32, "batch size")
@@ -69,6 +76,12 @@ SUITES = {"recompute": (
     ("sntf swap", dict(policy="swap")),
     ("sntf swap+recompute", dict(policy="swap+recompute")),
     ("sntf swap+recompute, budget 0.5x TF", dict(policy="swap+recompute", budget=0.5)),
+), "budget": (
+    ("TensorFlow", dict(policy="none")),
+    ("sntf auto, no budget", dict(policy="auto")),
+    ("sntf auto, budget 0.7x TF", dict(policy="auto", budget=0.7)),
+    ("sntf auto, budget 0.5x TF", dict(policy="auto", budget=0.5)),
+    ("sntf auto, budget 0.35x TF", dict(policy="auto", budget=0.35)),
 )}
 
 
@@ -94,10 +107,28 @@ HEADER = ["model", "configuration", "device peak (MiB)", "peak / TF", "step (ms)
           "step / TF", "planned peak (MiB)", "planned / measured"]
 SWAP_HEADER = ["host pool peak (MiB)", "to host / step (MiB)", "to device / step (MiB)",
                "cache hit rate"]
+BUDGET_HEADER = ["budget (MiB)", "peak / budget", "plan fits", "least planned (MiB)",
+                 "swapped / recomputed"]
+EXTRA = {"recompute": [], "swap": SWAP_HEADER, "budget": BUDGET_HEADER}
 
 
-def _row(spec, label, result, base, swap_columns):
-    width = len(HEADER) + (len(SWAP_HEADER) if swap_columns else 0)
+def _budget_cells(result) -> list:
+    """The budget columns, from the last training report that had a budget."""
+    reports = [r for r in result.get("training_reports") or ()
+               if r.get("budget_bytes") is not None]
+    if not reports:
+        return [""] * len(BUDGET_HEADER)
+    r = reports[-1]
+    least = r.get("achievable_peak_bytes")
+    return [f"{r['budget_bytes'] / MIB:.1f}",
+            f"{result['measured_peak_bytes'] / r['budget_bytes']:.3f}",
+            "yes" if r.get("budget_fits") else "no",
+            "" if least is None else f"{least / MIB:.1f}",
+            f"{r.get('swapped', 0)} / {r.get('recomputed', 0)}"]
+
+
+def _row(spec, label, result, base, suite):
+    width = len(HEADER) + len(EXTRA[suite])
     if isinstance(result, str):
         return f"| {spec} | {label} | fails: {result} |" + " |" * (width - 3)
     peak, step = result["measured_peak_bytes"], result["seconds_per_step"]
@@ -106,7 +137,9 @@ def _row(spec, label, result, base, swap_columns):
              f"{step * 1000:.0f}", f"{step / base['seconds_per_step']:.2f}",
              "" if planned is None else f"{planned / MIB:.1f}",
              "" if planned is None else f"{planned / peak:.3f}"]
-    if swap_columns:
+    if suite == "budget":
+        cells += _budget_cells(result)
+    if suite == "swap":
         stats = result.get("sntf_stats") or {}
         pool, swap = stats.get("pool", {}), stats.get("swap", {})
         steps = result["steps"]
@@ -121,8 +154,7 @@ def _row(spec, label, result, base, swap_columns):
 def main(argv):
     del argv
     start = time.perf_counter()
-    swap_columns = FLAGS.suite == "swap"
-    header = HEADER + (SWAP_HEADER if swap_columns else [])
+    header = HEADER + EXTRA[FLAGS.suite]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for spec in FLAGS.models.split(","):
         family, depth = _model(spec)
@@ -143,7 +175,7 @@ def main(argv):
             if base is None:
                 base = result
             lines.append(_row(f"{family} (depth {depth or 'default'})", label, result,
-                              base, swap_columns))
+                              base, FLAGS.suite))
             print(lines[-1], flush=True)
     command = "python tools/bench_policies.py " + " ".join(
         shlex.quote(a) for a in sys.argv[1:])
