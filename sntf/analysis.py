@@ -371,6 +371,153 @@ def workspace_bytes(op: str, input_shapes: Sequence[Optional[tuple]],
 Properties = Mapping[str, Sequence[tuple[int, Optional[tuple[int, ...]]]]]
 
 
+# Ops whose output holds exactly the elements of input 0 (a symbolic dim
+# of the output is whatever makes the element counts agree).
+_SAME_COUNT_OPS = ALIAS_OPS - {"IdentityN", "_Retval", "ReadVariableOp"} | {"Cast"}
+# Element-wise ops: an output dim equals every non-broadcast input's dim.
+_ELEMENTWISE_OPS = FORWARDING_OPS
+_MAX_RESOLVE_PASSES = 8
+
+
+def resolve_symbolic_dims(g: graph.GraphIndex, properties: Properties) -> Properties:
+    """Static shapes with Grappler's symbolic dims resolved where the graph
+    determines them.
+
+    Shape inference marks dims it cannot compute with negative ids; equal
+    ids are equal dims. Keras' UpSampling2D, for one, reshapes through a
+    computed shape, so a U-Net's decoder tensors come out as (-2, 32, 32,
+    -32) and would be sized as one channel. Dims are solved from element
+    counts (a reshape keeps them; a tile multiplies them by the ratio of its
+    known dims), concatenations (the joined axis sums its inputs) and
+    element-wise ops (an output dim equals an input's). The batch - the id
+    most often first - stays symbolic.
+
+    Args:
+      g: the graph index.
+      properties: node name -> [(dtype, shape or None)].
+
+    Returns:
+      The properties with every solved dim replaced by its value.
+    """
+    firsts = collections.Counter(
+        shape[0] for outs in properties.values() for _, shape in outs
+        if shape and shape[0] is not None and shape[0] < 0)
+    batch_id = firsts.most_common(1)[0][0] if firsts else None
+    value: dict = {}
+    counts: dict = {}        # (node, port) -> (elements, batch power) when known
+
+    def dims(t):
+        outs = properties.get(g.names[t[0]], ())
+        return outs[t[1]][1] if t[1] < len(outs) else None
+
+    def count(t, shape=None):
+        shape = dims(t) if shape is None else shape
+        if shape is None:
+            return counts.get(t)
+        n, power = 1, 0
+        for d in shape:
+            d = value.get(d, d)
+            if d == batch_id and d is not None and d < 0:
+                power += 1
+            elif d is None or d < 0:
+                return counts.get(t)
+            else:
+                n *= d
+        return n, power
+
+    def unresolved(shape):
+        return [k for k, d in enumerate(shape)
+                if d is not None and d < 0 and d != batch_id and d not in value]
+
+    def solve(symbol, v) -> bool:
+        if symbol == -1 or symbol in value or v <= 0:
+            return False          # -1 is "unknown" with no identity
+        value[symbol] = v
+        return True
+
+    for _ in range(_MAX_RESOLVE_PASSES):
+        changed = False
+        for i in g.topo:
+            op, inputs = g.ops[i], g.data_inputs[i]
+            outs = properties.get(g.names[i], ())
+            if not outs or not inputs or outs[0][1] is None:
+                continue
+            out_t, out = (i, 0), outs[0][1]
+            todo = unresolved(out)
+            if op in _SAME_COUNT_OPS or op == "Tile":
+                src = count(inputs[0])
+                shape_in = dims(inputs[0])
+                if src is None:
+                    continue
+                n, power = src
+                if op == "Tile":
+                    if shape_in is None or len(shape_in) != len(out):
+                        continue
+                    for a, b in zip(shape_in, out):
+                        a, b = value.get(a, a), value.get(b, b)
+                        if a == b:
+                            continue
+                        if a is None or b is None or a <= 0 or b < 0 or b % a:
+                            break
+                        n *= b // a
+                    else:
+                        counts.setdefault(out_t, (n, power))
+                    if out_t not in counts:
+                        continue
+                    n, power = counts[out_t]
+                else:
+                    counts.setdefault(out_t, (n, power))
+                if len(todo) == 1:
+                    known = count(out_t, tuple(1 if k == todo[0] else d
+                                               for k, d in enumerate(out)))
+                    if known and known[1] == power and known[0] and n % known[0] == 0:
+                        changed |= solve(out[todo[0]], n // known[0])
+            elif op in ("ConcatV2", "Concat") and todo:
+                data = inputs[:-1] if op == "ConcatV2" else inputs[1:]
+                shapes = [dims(t) for t in data]
+                if any(x is None or len(x) != len(out) for x in shapes):
+                    continue
+                for k in todo:
+                    vals = [value.get(x[k], x[k]) for x in shapes]
+                    if any(v is None or v < 0 for v in vals):
+                        continue
+                    others_agree = all(
+                        value.get(x[j], x[j]) == value.get(out[j], out[j])
+                        for x in shapes for j in range(len(out)) if j != k)
+                    if others_agree:
+                        changed |= solve(out[k], sum(vals))
+            elif op in _ELEMENTWISE_OPS and todo:
+                for t in inputs:
+                    x = dims(t)
+                    if x is None or len(x) != len(out):
+                        continue
+                    for k in todo:
+                        v = value.get(x[k], x[k])
+                        if v is not None and v > 1:
+                            changed |= solve(out[k], v)
+        if not changed:
+            break
+    if not value and not counts:
+        return properties
+    resolved = {}
+    for name, outs in properties.items():
+        resolved[name] = [(dtype, None if shape is None else
+                           tuple(value.get(d, d) if d is not None else d for d in shape))
+                          for dtype, shape in outs]
+    return _CountedProperties(resolved, {(g.names[t[0]], t[1]): c
+                                         for t, c in counts.items()}, batch_id)
+
+
+class _CountedProperties(dict):
+    """Resolved properties, plus element counts known for tensors whose
+    shape still holds unsolved dims (name, port) -> (elements, batch power)."""
+
+    def __init__(self, data, counts, batch_id):
+        super().__init__(data)
+        self.counts = counts
+        self.batch_id = batch_id
+
+
 def has_unknown_dims(properties: Properties) -> bool:
     """Whether any output has an unknown dimension (usually the batch)."""
     for outputs in properties.values():
@@ -399,6 +546,8 @@ def analyze(g: graph.GraphIndex, properties: Properties,
     phases = graph.classify_phases(g)
     step_of = {node: s for s, node in enumerate(order)}
     n = len(g.names)
+    properties = resolve_symbolic_dims(g, properties)
+    counts = getattr(properties, "counts", {})
 
     # Byte size of every output.
     sizes: dict = {}
@@ -406,6 +555,12 @@ def analyze(g: graph.GraphIndex, properties: Properties,
     for i in range(n):
         for port, (dtype, shape) in enumerate(properties.get(g.names[i], ())):
             size = tensor_size(dtype, shape)
+            if not size.known and (g.names[i], port) in counts:
+                # Unsolved dims, but a known element count (a reshape's).
+                elements, power = counts[(g.names[i], port)]
+                itemsize = DTYPE_BYTES.get(dtype, 0)
+                size = (SymbolicSize(0, itemsize * elements) if power == 1 else
+                        SymbolicSize(itemsize * elements, 0) if power == 0 else size)
             if not size.known:
                 unknown += 1
             sizes[(i, port)] = size.at(batch)

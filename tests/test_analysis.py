@@ -233,3 +233,31 @@ def test_op_classes_and_costs():
                                                bytes_per_second=1e12,
                                                op_overhead_seconds=0.0))
     assert t == pytest.approx(2 * 64 * 64 * 128 / 1e9)
+
+
+def test_symbolic_dims_are_solved_from_reshape_tile_and_concat():
+    # UpSampling-like: a reshape through a computed shape leaves symbolic
+    # dims (-5..-7); a tile doubles one axis; a reshape back gives (-2, 8,
+    # 8, -8); a concatenation with a skip of 3 channels gives (-2, 8, 8, -9).
+    g = (GraphBuilder().arg("x").arg("skip")
+         .op("Reshape", "r1", ["x", "x"]).op("Tile", "t", ["r1", "x"])
+         .op("Reshape", "r2", ["t", "x"]).op("ConcatV2", "cat", ["r2", "skip", "x"])
+         .op("Relu", "y", ["cat"]).retval("ret", "y").build())
+    props = {"x": [(DT_FLOAT, (-2, 8, 4, 4))], "skip": [(DT_FLOAT, (-2, 8, 8, 3))],
+             "r1": [(DT_FLOAT, (-5, -6, 1, -7))], "t": [(DT_FLOAT, (-5, -6, 2, -7))],
+             "r2": [(DT_FLOAT, (-2, 8, 8, -8))], "cat": [(DT_FLOAT, (-2, 8, 8, -9))],
+             "y": [(DT_FLOAT, (-2, 8, 8, -10))]}
+    idx = G.build_index(g)
+    resolved = analysis.resolve_symbolic_dims(idx, props)
+    assert resolved["r2"][0][1] == (-2, 8, 8, 4)       # 8*4*4*2 / (8*8)
+    assert resolved["cat"][0][1] == (-2, 8, 8, 7)      # 4 + 3 channels
+    assert resolved["y"][0][1] == (-2, 8, 8, 7)        # element-wise
+    # r1 and t keep their dims, with their element counts known.
+    assert resolved["t"][0][1] == (-5, -6, 2, -7)
+    assert resolved.counts[("t", 0)] == (8 * 4 * 4 * 2, 1)
+    a = analyze(g, props, batch=3)
+    assert a.tensor_bytes[(idx.node("cat"), 0)] == 3 * 8 * 8 * 7 * 4
+    assert a.tensor_bytes[(idx.node("t"), 0)] == 3 * 8 * 4 * 4 * 2 * 4
+    # -1 is "unknown" without identity: never solved.
+    one = analysis.resolve_symbolic_dims(idx, dict(props, cat=[(DT_FLOAT, (-2, 8, 8, -1))]))
+    assert one["cat"][0][1] == (-2, 8, 8, -1)
