@@ -386,52 +386,62 @@ def resolve_symbolic_dims(g: graph.GraphIndex, properties: Properties) -> Proper
     Shape inference marks dims it cannot compute with negative ids; equal
     ids are equal dims. Keras' UpSampling2D, for one, reshapes through a
     computed shape, so a U-Net's decoder tensors come out as (-2, 32, 32,
-    -32) and would be sized as one channel. Dims are solved from element
-    counts (a reshape keeps them; a tile multiplies them by the ratio of its
-    known dims), concatenations (the joined axis sums its inputs) and
-    element-wise ops (an output dim equals an input's). The batch - the id
-    most often first - stays symbolic.
+    -32) and would be sized as one channel; a Dense layer on a sequence
+    (Tensordot) multiplies batch and length into one symbolic dim. A dim is
+    solved as n * batch**p: from element counts (a reshape keeps them; a tile
+    multiplies them by the ratio of its known dims), concatenations (the
+    joined axis sums its inputs) and element-wise ops (an output dim equals
+    an input's). The batch - the id most often first - stays symbolic.
 
     Args:
       g: the graph index.
       properties: node name -> [(dtype, shape or None)].
 
     Returns:
-      The properties with every solved dim replaced by its value.
+      The properties with every dim solved to a number replaced by it; its
+      `counts` maps (name, port) to (elements per batch**power, power) for
+      tensors whose shape keeps a dim that holds the batch.
     """
+    # Grappler gives the batch several ids across a graph: every id that
+    # comes first in a shape counts as the batch until an element count
+    # proves it a multiple of it (a sequence model's batch * length).
     firsts = collections.Counter(
         shape[0] for outs in properties.values() for _, shape in outs
         if shape and shape[0] is not None and shape[0] < 0)
-    batch_id = firsts.most_common(1)[0][0] if firsts else None
-    value: dict = {}
-    counts: dict = {}        # (node, port) -> (elements, batch power) when known
+    batch_ids = set(firsts)
+    value: dict = {}          # symbol -> (n, p): the dim is n * batch**p
+    counts: dict = {}         # (node, port) -> (n, p) of its element count
+
+    def dim(d):
+        if d is None:
+            return None
+        if d >= 0:
+            return (d, 0)
+        if d in value:
+            return value[d]
+        return (1, 1) if d in batch_ids else None
+
+    def product(shape):
+        n, p = 1, 0
+        for d in shape:
+            v = dim(d)
+            if v is None:
+                return None
+            n, p = n * v[0], p + v[1]
+        return n, p
 
     def dims(t):
         outs = properties.get(g.names[t[0]], ())
         return outs[t[1]][1] if t[1] < len(outs) else None
 
-    def count(t, shape=None):
-        shape = dims(t) if shape is None else shape
-        if shape is None:
-            return counts.get(t)
-        n, power = 1, 0
-        for d in shape:
-            d = value.get(d, d)
-            if d == batch_id and d is not None and d < 0:
-                power += 1
-            elif d is None or d < 0:
-                return counts.get(t)
-            else:
-                n *= d
-        return n, power
-
-    def unresolved(shape):
-        return [k for k, d in enumerate(shape)
-                if d is not None and d < 0 and d != batch_id and d not in value]
+    def count(t):
+        shape = dims(t)
+        return (product(shape) if shape is not None else None) or counts.get(t)
 
     def solve(symbol, v) -> bool:
-        if symbol == -1 or symbol in value or v <= 0:
-            return False          # -1 is "unknown" with no identity
+        # -1 is "unknown" with no identity; a dim is never 0 or fractional.
+        if symbol == -1 or symbol in value or v is None or v[0] <= 0 or v[1] < 0:
+            return False
         value[symbol] = v
         return True
 
@@ -443,69 +453,87 @@ def resolve_symbolic_dims(g: graph.GraphIndex, properties: Properties) -> Proper
             if not outs or not inputs or outs[0][1] is None:
                 continue
             out_t, out = (i, 0), outs[0][1]
-            todo = unresolved(out)
+            todo = [k for k, d in enumerate(out) if dim(d) is None]
             if op in _SAME_COUNT_OPS or op == "Tile":
                 src = count(inputs[0])
-                shape_in = dims(inputs[0])
                 if src is None:
                     continue
-                n, power = src
+                n, p = src
                 if op == "Tile":
+                    shape_in = dims(inputs[0])
                     if shape_in is None or len(shape_in) != len(out):
                         continue
                     for a, b in zip(shape_in, out):
-                        a, b = value.get(a, a), value.get(b, b)
                         if a == b:
                             continue
-                        if a is None or b is None or a <= 0 or b < 0 or b % a:
+                        a, b = dim(a), dim(b)
+                        if a is None or b is None or a[1] != b[1] or b[0] % a[0]:
                             break
-                        n *= b // a
+                        n *= b[0] // a[0]
                     else:
-                        counts.setdefault(out_t, (n, power))
+                        counts.setdefault(out_t, (n, p))
                     if out_t not in counts:
                         continue
-                    n, power = counts[out_t]
                 else:
-                    counts.setdefault(out_t, (n, power))
+                    counts.setdefault(out_t, (n, p))
                 if len(todo) == 1:
-                    known = count(out_t, tuple(1 if k == todo[0] else d
-                                               for k, d in enumerate(out)))
-                    if known and known[1] == power and known[0] and n % known[0] == 0:
-                        changed |= solve(out[todo[0]], n // known[0])
+                    rest = product(d for k, d in enumerate(out) if k != todo[0])
+                    if rest and n % rest[0] == 0:
+                        changed |= solve(out[todo[0]], (n // rest[0], p - rest[1]))
+                elif not todo and out and out[0] in batch_ids and out[0] not in value:
+                    # A first dim taken for the batch: the counts may say
+                    # it is a multiple of it.
+                    rest = product(out[1:])
+                    if rest and n % rest[0] == 0 and (n // rest[0], p - rest[1]) != (1, 1):
+                        changed |= solve(out[0], (n // rest[0], p - rest[1]))
             elif op in ("ConcatV2", "Concat") and todo:
                 data = inputs[:-1] if op == "ConcatV2" else inputs[1:]
                 shapes = [dims(t) for t in data]
                 if any(x is None or len(x) != len(out) for x in shapes):
                     continue
                 for k in todo:
-                    vals = [value.get(x[k], x[k]) for x in shapes]
-                    if any(v is None or v < 0 for v in vals):
+                    vals = [dim(x[k]) for x in shapes]
+                    if any(v is None for v in vals) or len({v[1] for v in vals}) != 1:
                         continue
-                    others_agree = all(
-                        value.get(x[j], x[j]) == value.get(out[j], out[j])
-                        for x in shapes for j in range(len(out)) if j != k)
+                    others_agree = all(dim(x[j]) == dim(out[j]) and dim(x[j]) is not None
+                                       for x in shapes for j in range(len(out)) if j != k)
                     if others_agree:
-                        changed |= solve(out[k], sum(vals))
+                        changed |= solve(out[k], (sum(v[0] for v in vals), vals[0][1]))
             elif op in _ELEMENTWISE_OPS and todo:
                 for t in inputs:
                     x = dims(t)
                     if x is None or len(x) != len(out):
                         continue
                     for k in todo:
-                        v = value.get(x[k], x[k])
-                        if v is not None and v > 1:
+                        v = dim(x[k])
+                        if v is not None and v != (1, 0):
                             changed |= solve(out[k], v)
         if not changed:
             break
     if not value and not counts:
         return properties
-    resolved = {}
+    # The batch's main id: the one most often first, of those still the batch.
+    batch_id = next((d for d, _ in firsts.most_common()
+                     if value.get(d, (1, 1)) == (1, 1)), None)
+    resolved, kept = {}, {}
     for name, outs in properties.items():
-        resolved[name] = [(dtype, None if shape is None else
-                           tuple(value.get(d, d) if d is not None else d for d in shape))
-                          for dtype, shape in outs]
-    return _CountedProperties(resolved, {(g.names[t[0]], t[1]): c
-                                         for t, c in counts.items()}, batch_id)
+        new_outs = []
+        for port, (dtype, shape) in enumerate(outs):
+            if shape is not None:
+                total = product(shape)
+                shape = tuple(d if d is None or d >= 0 or d not in value else
+                              value[d][0] if value[d][1] == 0 else
+                              batch_id if value[d] == (1, 1) else d for d in shape)
+                if total is not None and any(d is not None and d < 0 and d != batch_id
+                                             for d in shape):
+                    # A dim left symbolic (n * batch, or an id of the batch
+                    # other than the main one): the count says the size.
+                    kept[(name, port)] = total
+            new_outs.append((dtype, shape))
+        resolved[name] = new_outs
+    for (node, port), c in counts.items():
+        kept.setdefault((g.names[node], port), c)
+    return _CountedProperties(resolved, kept, batch_id)
 
 
 class _CountedProperties(dict):
@@ -555,8 +583,9 @@ def analyze(g: graph.GraphIndex, properties: Properties,
     for i in range(n):
         for port, (dtype, shape) in enumerate(properties.get(g.names[i], ())):
             size = tensor_size(dtype, shape)
-            if not size.known and (g.names[i], port) in counts:
-                # Unsolved dims, but a known element count (a reshape's).
+            if (g.names[i], port) in counts:
+                # Unsolved dims, or one that holds the batch times a number,
+                # but a known element count.
                 elements, power = counts[(g.names[i], port)]
                 itemsize = DTYPE_BYTES.get(dtype, 0)
                 size = (SymbolicSize(0, itemsize * elements) if power == 1 else

@@ -261,3 +261,17 @@ def test_symbolic_dims_are_solved_from_reshape_tile_and_concat():
     # -1 is "unknown" without identity: never solved.
     one = analysis.resolve_symbolic_dims(idx, dict(props, cat=[(DT_FLOAT, (-2, 8, 8, -1))]))
     assert one["cat"][0][1] == (-2, 8, 8, -1)
+
+
+def test_a_first_dim_that_is_batch_times_length_is_sized_as_such():
+    # Tensordot on a sequence: (B, 64, 8) reshaped to (-7, 8) - Grappler
+    # gives B*64 its own id, first in the shape like a batch.
+    g = (GraphBuilder().arg("x").arg("w").op("Reshape", "r", ["x", "x"])
+         .op("MatMul", "m", ["r", "w"]).retval("ret", "m").build())
+    props = {"x": [(DT_FLOAT, (-2, 64, 8))], "w": [(DT_FLOAT, (8, 16))],
+             "r": [(DT_FLOAT, (-7, 8))], "m": [(DT_FLOAT, (-7, 16))]}
+    idx = G.build_index(g)
+    resolved = analysis.resolve_symbolic_dims(idx, props)
+    assert resolved.counts[("m", 0)] == (64 * 16, 1)
+    a = analyze(g, props, batch=4)
+    assert a.tensor_bytes[(idx.node("m"), 0)] == 4 * 64 * 16 * 4
