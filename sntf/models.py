@@ -14,10 +14,10 @@ Families and what `depth` means (default in brackets):
   mlp          Dense(width)+ReLU layers on a 256-d input [4 hidden layers]
   vgg          32x32x3, 3 stages of conv3x3+BN+ReLU (32/64/128 channels), MaxPool
                after each stage [2 convs per stage]
-  resnet       CIFAR ResNet: conv stem, 3 stages (16/32/64 channels) of basic
-               blocks (conv-BN-ReLU-conv-BN, skip Add, ReLU) [2 blocks per
-               stage]; len(model.layers) = 10 + 21*depth, so depth=48 gives
-               1018 layers
+  resnet       CIFAR ResNet-(6n+2), n = depth: conv stem, 3 stages (16/32/64
+               channels) of basic blocks (conv-BN-ReLU-conv-BN, skip Add,
+               ReLU) [2 blocks per stage, ResNet-14]; len(model.layers) =
+               10 + 21*depth, so depth=48 gives 1018 layers
   densenet     32x32x3, 3 dense blocks of BN-ReLU-Conv3x3 (growth 12) joined
                by Concatenate, transitions BN-ReLU-Conv1x1-AvgPool [4 layers
                per dense block]
