@@ -181,6 +181,9 @@ class Analysis:
     lower_bound_step: int
     op_seconds: tuple[float, ...]
     unknown_sizes: int
+    # Bytes of the variables the graph reads (part of persistent_bytes):
+    # allocated before the step, by whoever created the variables.
+    variable_bytes: int = 0
 
     def buffer_of(self, tensor: tuple[int, int]) -> Optional[tuple[int, int]]:
         """The buffer a tensor (node, port) lives in, or None (no memory)."""
@@ -755,7 +758,9 @@ def analyze(g: graph.GraphIndex, properties: Properties,
         persistent_bytes=persistent_bytes, timeline=timeline,
         predicted_peak_bytes=peak, peak_step=peak_step,
         lower_bound_bytes=lower, lower_bound_step=lower_step,
-        op_seconds=tuple(seconds), unknown_sizes=unknown)
+        op_seconds=tuple(seconds), unknown_sizes=unknown,
+        variable_bytes=sum(buffer_bytes[b] for b in persistent
+                           if b[1] == VARIABLE_PORT))
 
 
 VARIABLE_PORT = -2   # buffer key (handle root, -2): a variable's own buffer

@@ -26,6 +26,8 @@ SKIPPED = "skipped"            # not a graph sntf acts on
 ERROR = "error"                # the pass failed; the graph went back unchanged
 
 PropertiesFn = Callable[[Sequence[str]], dict]
+# device name ("CPU:0", "GPU:0") -> bytes its allocator has in use now, or None.
+InUseFn = Callable[[str], Optional[int]]
 
 
 @dataclasses.dataclass
@@ -97,6 +99,9 @@ def new_report(name: str = "", nodes: int = 0) -> dict:
         "budget_fits": None,
         "achievable_peak_bytes": None,
         "predicted_seconds_added": None,
+        # With a budget: device bytes in use outside this graph when it was
+        # planned (the allocator's bytes in use less the graph's variables).
+        "outside_bytes": None,
     }
 
 
@@ -117,7 +122,8 @@ def _finish(report: dict, start: float, graph_def=None) -> PassResult:
 
 def run_pass(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
              state: config.State,
-             properties: Optional[PropertiesFn] = None) -> PassResult:
+             properties: Optional[PropertiesFn] = None,
+             in_use: Optional[InUseFn] = None) -> PassResult:
     """Runs sntf's graph pass on one serialized GraphDef.
 
     Args:
@@ -126,8 +132,10 @@ def run_pass(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
       preserve: nodes-to-preserve names.
       state: the switch state (policy, budget, options) for this call.
       properties: callable returning serialized static output properties per
-        node name; only valid during the Grappler callback. Unused until the
-        analysis stage needs shapes.
+        node name; only valid during the Grappler callback.
+      in_use: callable giving a device allocator's bytes in use now; with a
+        budget, what the device holds outside this graph (input pipelines,
+        other models) is taken off the budget the plan must fit.
 
     Returns:
       A PassResult. Its graph_def is None when the graph must go back unchanged.
@@ -147,7 +155,8 @@ def run_pass(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
         report["nodes"] = len(index)
         report["graph"] = graph.name_hint(index)
         report["devices"] = sorted({d for d in index.devices if d})
-        result = _plan_and_rewrite(graph_def, index, state, report, start, properties)
+        result = _plan_and_rewrite(graph_def, index, state, report, start, properties,
+                                   in_use)
         return dataclasses.replace(result, key=key)
     except Exception as e:  # noqa: BLE001 - the pass must never fail a graph
         report["action"] = ERROR
@@ -406,8 +415,9 @@ def _best_rewrite(graph_def, index: graph.GraphIndex, facts, props,
     rewritten = current.graph_def
     cache_budget = budget if swaps else None
     if cache_budget is not None:
-        rewritten = _cache_thresholds(rewritten, current.facts, cache_budget)
-        notes.append(_cache_note(current.facts, cache_budget))
+        outside = report.get("outside_bytes") or 0
+        rewritten = _cache_thresholds(rewritten, current.facts, cache_budget, outside)
+        notes.append(_cache_note(current.facts, cache_budget, outside))
     plan = planner.Plan(policy=state.policy, decisions=tuple(decisions),
                         notes=tuple(notes), recomputes=recomputes, swaps=swaps,
                         cache_budget=cache_budget)
@@ -541,6 +551,20 @@ def budget_search(graph_def, index: graph.GraphIndex, facts, props,
                                 budget)
 
 
+def _outside_bytes(index: graph.GraphIndex, facts, in_use: InUseFn) -> Optional[int]:
+    """Device bytes in use that this graph's step does not account for: the
+    allocator's bytes in use now, less the variables the graph reads (which
+    the analysis counts as persistent). None when the allocator keeps no
+    statistics."""
+    try:
+        current = in_use("GPU:0" if _on_gpu(index) else "CPU:0")
+    except Exception:  # noqa: BLE001 - statistics are an aid, never a failure
+        return None
+    if current is None:
+        return None
+    return max(0, int(current) - facts.variable_bytes)
+
+
 def _fit_budget(graph_def, index: graph.GraphIndex, facts, props,
                 state: config.State, budget: int, report: dict):
     """Policy "auto" with a budget: the least predicted extra time whose
@@ -557,8 +581,10 @@ def _fit_budget(graph_def, index: graph.GraphIndex, facts, props,
     """
     from sntf import budget as budget_planner
 
-    # The plan must fit under the budget less the analysis' error margin.
-    target = int(budget * (1.0 - state.options.budget_margin))
+    # The plan must fit under the budget less the analysis' error margin and
+    # less what the device already holds outside this graph.
+    outside = report.get("outside_bytes") or 0
+    target = int(budget * (1.0 - state.options.budget_margin)) - outside
     with _timed(report, "plan_auto"):
         options, selections = budget_search(graph_def, index, facts, props, state,
                                             budget)
@@ -569,8 +595,9 @@ def _fit_budget(graph_def, index: graph.GraphIndex, facts, props,
     report["predicted_seconds_added"] = choice.seconds
     counts = {a: sum(1 for o in choice.options if o.action == a)
               for a in (planner.RECOMPUTE, planner.SWAP)}
-    note = (f"auto: budget {budget} bytes (plan target {target} bytes, "
-            f"margin {state.options.budget_margin:g}), predicted peak "
+    note = (f"auto: budget {budget} bytes (plan target {target} bytes: margin "
+            f"{state.options.budget_margin:g}, {outside} bytes held outside the "
+            "graph), predicted peak "
             f"{facts.predicted_peak_bytes} -> planned {choice.peak} bytes with "
             f"{counts[planner.RECOMPUTE]} buffer(s) recomputed and "
             f"{counts[planner.SWAP]} swapped of {len(options)} option(s), "
@@ -597,9 +624,9 @@ def _fit_budget(graph_def, index: graph.GraphIndex, facts, props,
     if planned is not None and planned.graph_def is not graph_def:
         rewritten = planned.graph_def
         if plan.swaps:
-            rewritten = _cache_thresholds(rewritten, planned.facts, budget)
+            rewritten = _cache_thresholds(rewritten, planned.facts, budget, outside)
             plan = dataclasses.replace(plan, notes=plan.notes + (
-                _cache_note(planned.facts, budget),))
+                _cache_note(planned.facts, budget, outside),))
         return plan, rewrite.RewriteResult(graph_def=rewritten, modified=True), planned.facts
     return plan, rewrite.RewriteResult(graph_def=graph_def, modified=False), None
 
@@ -614,7 +641,7 @@ def _warn_once(message: str) -> None:
         logging.getLogger("sntf").warning(message)
 
 
-def _cache_thresholds(graph_def, facts, budget: int):
+def _cache_thresholds(graph_def, facts, budget: int, outside: int = 0):
     """Sets each SnCacheOut's run-time limits from the plan.
 
     The planned peak assumes every swap copies, so cached tensors may use
@@ -623,11 +650,11 @@ def _cache_thresholds(graph_def, facts, budget: int):
     SnCacheOut gets the budget (its live-bytes test, a guard for a plan that
     under-estimates) and that headroom (its cap on the device's cached
     bytes); a budget below the planned peak leaves no headroom, and every
-    swap copies.
+    swap copies. `outside` is what the device holds outside the graph.
     """
     out = type(graph_def)()
     out.CopyFrom(graph_def)
-    headroom = max(0, budget - facts.predicted_peak_bytes)
+    headroom = max(0, budget - outside - facts.predicted_peak_bytes)
     for node in out.node:
         if node.op == names.CACHE_OUT_OP:
             node.attr["budget"].i = budget
@@ -635,13 +662,15 @@ def _cache_thresholds(graph_def, facts, budget: int):
     return out
 
 
-def _cache_note(facts, budget: int) -> str:
-    headroom = budget - facts.predicted_peak_bytes
+def _cache_note(facts, budget: int, outside: int = 0) -> str:
+    headroom = budget - outside - facts.predicted_peak_bytes
+    held = f" - {outside} held outside the graph" if outside else ""
     if headroom < 0:
-        return (f"budget {budget} bytes is below the planned peak "
+        return (f"budget {budget} bytes{held} is below the planned peak "
                 f"{facts.predicted_peak_bytes} bytes: every swap copies")
     return (f"tensor cache: up to {headroom} bytes of swapped tensors stay on the "
-            f"device (budget {budget} - planned peak {facts.predicted_peak_bytes})")
+            f"device (budget {budget}{held} - planned peak "
+            f"{facts.predicted_peak_bytes})")
 
 
 CUDNN_WORKSPACE_ENV = "TF_CUDNN_WORKSPACE_LIMIT_IN_MB"
@@ -716,7 +745,8 @@ def _with_generated(props: dict, index: graph.GraphIndex) -> dict:
 
 def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
                       report: dict, start: float,
-                      properties: Optional[PropertiesFn] = None) -> PassResult:
+                      properties: Optional[PropertiesFn] = None,
+                      in_use: Optional[InUseFn] = None) -> PassResult:
     if index.sntf_nodes:
         report["action"] = UNCHANGED
         report["reason"] = (f"already rewritten by sntf ({len(index.sntf_nodes)} "
@@ -736,6 +766,8 @@ def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
                             "an XLA cluster, so sntf leaves it alone")
         return _finish(report, start)
     facts, props = _analyze(index, state, properties, report)
+    if facts is not None and state.budget is not None and in_use is not None:
+        report["outside_bytes"] = _outside_bytes(index, facts, in_use)
     plan, result, planned = _best_rewrite(graph_def, index, facts, props, state, report)
     if facts is not None:
         plan = dataclasses.replace(

@@ -159,6 +159,17 @@ def _merge(first: dict, again: dict) -> None:
             first[k] = again[k]
 
 
+def _device_in_use(device: str) -> Optional[int]:
+    """Bytes a device's allocator has in use now; None where it keeps no
+    statistics (TensorFlow's default CPU allocator) or the device is absent."""
+    try:
+        from tensorflow.python.eager import context
+
+        return int(context.context().get_memory_info(device)["current"])
+    except Exception:  # noqa: BLE001 - statistics are optional
+        return None
+
+
 def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
               properties=None) -> Optional[bytes]:
     """Entry point called by the compiled shim for every graph.
@@ -184,7 +195,8 @@ def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            result = pipeline.run_pass(graph_bytes, fetch, preserve, state, properties)
+            result = pipeline.run_pass(graph_bytes, fetch, preserve, state, properties,
+                                       _device_in_use)
         finally:
             if gc_was_enabled:
                 gc.enable()

@@ -202,6 +202,36 @@ def test_pass_fits_the_budget_with_the_planned_peak():
     assert again.predicted_peak_bytes == report["planned_peak_bytes"]
 
 
+def test_memory_held_outside_the_graph_comes_off_the_budget():
+    graph_def, props = mlp_step()
+    facts, _, _ = _search(graph_def, props, 1 << 40)
+    budget_bytes = facts.predicted_peak_bytes           # fits as it is ...
+    state = config.State(enabled=True, policy="auto",
+                         budget=config.Budget(bytes=budget_bytes),
+                         options=config.Options(swap_min_bytes=0, link_bandwidth=4e9,
+                                                budget_margin=0.0))
+    run = lambda in_use: pipeline.run_pass(  # noqa: E731
+        graph_def.SerializeToString(), ["ret"], [], state, properties_fn(props),
+        in_use).report
+    alone = run(lambda device: facts.variable_bytes)    # only the graph's variables
+    assert alone["outside_bytes"] == 0 and alone["action"] == "unchanged"
+    held = 1 << 20                                      # ... until 1 MiB is held
+    asked = []
+
+    def in_use(device):
+        asked.append(device)
+        return facts.variable_bytes + held
+
+    report = run(in_use)
+    assert asked == ["CPU:0"]
+    assert report["outside_bytes"] == held
+    assert report["action"] == "rewritten" and report["budget_fits"] is True
+    assert report["planned_peak_bytes"] <= budget_bytes - held
+    assert f"{held} bytes held outside the graph" in report["reason"]
+    # An allocator without statistics: nothing is taken off.
+    assert run(lambda device: None)["outside_bytes"] is None
+
+
 def test_a_budget_that_already_fits_changes_nothing():
     graph_def, props = mlp_step()
     state = config.State(enabled=True, policy="auto",

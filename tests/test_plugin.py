@@ -256,7 +256,7 @@ from sntf import pipeline
 from tensorflow.core.grappler.costs import op_performance_data_pb2 as perf
 seen = {}
 original = pipeline.run_pass
-def spy(graph_bytes, fetch, preserve, state, properties=None):
+def spy(graph_bytes, fetch, preserve, state, properties=None, in_use=None):
     from tensorflow.core.framework import graph_pb2
     g = graph_pb2.GraphDef.FromString(graph_bytes)
     names = [n.name for n in g.node if n.op in ("MatMul", "_FusedMatMul", "Relu")]
@@ -267,7 +267,7 @@ def spy(graph_bytes, fetch, preserve, state, properties=None):
             seen[name] = [d.size for d in p.shape.dim]
         seen["_fetch"] = list(fetch)
     spy.late = properties
-    return original(graph_bytes, fetch, preserve, state, properties)
+    return original(graph_bytes, fetch, preserve, state, properties, in_use)
 pipeline.run_pass = spy
 sntf.enable(policy="off")
 losses, w = train()
