@@ -195,7 +195,7 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
             saved = facts.tensor_bytes.get(buffer, 0)
             name = f"{g.names[producer]}:{port}"
             groups = _groups(g, readers, "memory" if name in memory_tensors else mode,
-                             facts.schedule, step_of, backward_steps)
+                             facts.schedule, step_of, backward_steps, facts)
             if not groups:
                 continue
             recipe = Recompute(tensor=name, chain=tuple(g.names[i] for i in chain),
@@ -274,19 +274,25 @@ def _chain(g, producer: int, recomputable, kept: set) -> Optional[list]:
 _VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Snapshot"})
 
 
-def _groups(g, readers, mode, schedule, step_of, backward_steps) -> list:
+def _groups(g, readers, mode, schedule, step_of, backward_steps, facts=None) -> list:
     """Groups of backward readers, each with the node that releases its clone."""
     readers = sorted(readers, key=lambda r: step_of[r[0]])
     batches = [readers] if mode == "speed" else [[r] for r in readers]
     groups = []
     for batch in batches:
-        # The backward op scheduled right before the group's first reader
-        # releases the clone: it then runs just in time, and (scheduled before
-        # every reader of the group) it can never depend on one of them.
-        k = bisect.bisect_left(backward_steps, step_of[batch[0][0]])
-        if k == 0:
-            return []
-        trigger = schedule[backward_steps[k - 1]]
+        # The gradient that reaches the group's first reader last releases
+        # the clone: an ancestor of that reader, it runs shortly before it in
+        # any executor order (an op merely scheduled nearby may run far
+        # earlier, and the clone with it). Scheduled before every reader of
+        # the group, it can never depend on one of them. Without a backward
+        # input, the backward op scheduled right before the reader.
+        trigger = (gradient_ancestor(g, facts, step_of, batch[0][0], 0.0)
+                   if facts is not None else None)
+        if trigger is None:
+            k = bisect.bisect_left(backward_steps, step_of[batch[0][0]])
+            if k == 0:
+                return []
+            trigger = schedule[backward_steps[k - 1]]
         groups.append(RecomputeGroup(
             consumers=tuple((g.names[c], slot) for c, slot in batch),
             trigger=g.names[trigger]))
