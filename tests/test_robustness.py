@@ -65,5 +65,9 @@ def test_custom_gradient_tape_loop_is_rewritten_and_identical(fresh_python, tmp_
         _assert_identical(base, weights, result, got, (model, policy))
         training = [r for r in result["reports"] if r["training"]]
         assert training, result["reports"]
-        if model == "cnn":
+        if model == "cnn" and policy == "swap+recompute":
             assert any(r["action"] == "rewritten" for r in training), training
+        elif model == "cnn":
+            # Rewritten, or a plan the analysis rejected, with the figures.
+            assert all(r["action"] == "rewritten" or "would not fall" in r["reason"]
+                       for r in training), training
