@@ -8,7 +8,6 @@ nothing about how the rewrite is done.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import itertools
 import json
@@ -173,8 +172,6 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
     read_by_backward = {i for i in range(len(g.names))
                         if any(phases[c] == graph_model.BACKWARD
                                for c, _, _ in g.consumers[i])}
-    backward_steps = [s for s, i in enumerate(facts.schedule)
-                      if phases[i] == graph_model.BACKWARD]
     candidates = []       # (buffer, tensor name, Recompute, Decision)
     for producer in facts.schedule:
         if not recomputable(producer) or g.ops[producer] in analysis.ALIAS_OPS:
@@ -195,7 +192,7 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
             saved = facts.tensor_bytes.get(buffer, 0)
             name = f"{g.names[producer]}:{port}"
             groups = _groups(g, readers, "memory" if name in memory_tensors else mode,
-                             facts.schedule, step_of, backward_steps, facts)
+                             step_of, facts)
             if not groups:
                 continue
             recipe = Recompute(tensor=name, chain=tuple(g.names[i] for i in chain),
@@ -256,13 +253,14 @@ def _chain_input_buffers(g, facts, recipe) -> set:
 
 
 def _chain(g, producer: int, recomputable, kept: set) -> Optional[list]:
-    """The cheap nodes to re-run for `producer`, or None if the chain is too long."""
+    """The cheap nodes to re-run for `producer` (on its device: clones run
+    where their originals did), or None if the chain is too long."""
     chain, stack = {producer}, [producer]
     while stack:
         node = stack.pop()
         for p, _ in g.data_inputs[node]:
             if (p in chain or p in kept or not recomputable(p)
-                    or g.ops[p] in _VIEW_OPS):
+                    or g.ops[p] in _VIEW_OPS or g.devices[p] != g.devices[producer]):
                 continue
             chain.add(p)
             if len(chain) > MAX_RECOMPUTE_CHAIN:
@@ -274,25 +272,26 @@ def _chain(g, producer: int, recomputable, kept: set) -> Optional[list]:
 _VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Snapshot"})
 
 
-def _groups(g, readers, mode, schedule, step_of, backward_steps, facts=None) -> list:
+def _groups(g, readers, mode, step_of, facts) -> list:
     """Groups of backward readers, each with the node that releases its clone."""
     readers = sorted(readers, key=lambda r: step_of[r[0]])
     batches = [readers] if mode == "speed" else [[r] for r in readers]
     groups = []
     for batch in batches:
-        # The gradient that reaches the group's first reader last releases
-        # the clone: an ancestor of that reader, it runs shortly before it in
-        # any executor order (an op merely scheduled nearby may run far
-        # earlier, and the clone with it). Scheduled before every reader of
-        # the group, it can never depend on one of them. Without a backward
-        # input, the backward op scheduled right before the reader.
-        trigger = (gradient_ancestor(g, facts, step_of, batch[0][0], 0.0)
-                   if facts is not None else None)
+        # The gradient that reaches the group's first reader last, on the
+        # tensor's device, releases the clone: an ancestor of that reader, it
+        # runs shortly before it in any executor order. An op merely
+        # scheduled nearby may run far earlier (and the clone with it), may
+        # be another device's (a control edge across devices deadlocked a
+        # step on two logical CPUs), or may be a variable update that
+        # oneDNN later fuses with the reader ("nodes in a cycle"). Scheduled
+        # before every reader of the group, the ancestor never depends on
+        # one of them. A reader without such an input is not served.
+        c, slot = batch[0]
+        device = g.devices[g.data_inputs[c][slot][0]]
+        trigger = gradient_ancestor(g, facts, step_of, c, 0.0, device)
         if trigger is None:
-            k = bisect.bisect_left(backward_steps, step_of[batch[0][0]])
-            if k == 0:
-                return []
-            trigger = schedule[backward_steps[k - 1]]
+            return []
         groups.append(RecomputeGroup(
             consumers=tuple((g.names[c], slot) for c, slot in batch),
             trigger=g.names[trigger]))
@@ -447,7 +446,9 @@ def _swap_groups(g, facts, readers, transfer, step_of, elapsed) -> list:
         groups.append(current)
     result = []
     for batch in groups:
-        trigger = gradient_ancestor(g, facts, step_of, batch[0][0], transfer)
+        c, slot = batch[0]
+        trigger = gradient_ancestor(g, facts, step_of, c, transfer,
+                                    g.devices[g.data_inputs[c][slot][0]])
         if trigger is None:
             return []
         result.append(SwapGroup(consumers=tuple((g.names[c], slot) for c, slot in batch),
@@ -455,8 +456,8 @@ def _swap_groups(g, facts, readers, transfer, step_of, elapsed) -> list:
     return result
 
 
-def gradient_ancestor(g, facts, step_of: dict, reader: int,
-                      seconds: float) -> Optional[int]:
+def gradient_ancestor(g, facts, step_of: dict, reader: int, seconds: float,
+                      device: Optional[str] = None) -> Optional[int]:
     """The backward op that releases a swap-in needed by `reader`.
 
     Walks back from `reader` along the backward pass's critical path: at each
@@ -473,6 +474,8 @@ def gradient_ancestor(g, facts, step_of: dict, reader: int,
       step_of: node index -> schedule step.
       reader: the node that needs the tensor.
       seconds: compute to leave between the trigger and the reader.
+      device: only ops placed on this device are followed (the trigger's
+        control edge must not cross devices); None: any.
 
     Returns:
       The node index, or None when the reader has no backward input.
@@ -483,7 +486,8 @@ def gradient_ancestor(g, facts, step_of: dict, reader: int,
     while True:
         # Control inputs count: a recomputed clone waits on its trigger.
         preds = [p for p, _ in g.data_inputs[node]] + list(g.control_inputs[node])
-        inputs = [p for p in preds if facts.phases[p] == graph_model.BACKWARD]
+        inputs = [p for p in preds if facts.phases[p] == graph_model.BACKWARD
+                  and (device is None or g.devices[p] == device)]
         if not inputs:
             return found
         node = max(inputs, key=step_of.get)
