@@ -38,6 +38,9 @@ REF_SCATTER_OPS = frozenset({
 })
 # Ops that forward a resource handle unchanged (left by function inlining).
 HANDLE_FORWARDING_OPS = frozenset({"Identity", "IdentityN"})
+# TF1 reference variables: their output is the variable's value itself (a
+# ref tensor), read by the `<name>/read` Identity or by ops taking the ref.
+REF_VARIABLE_OPS = frozenset({"Variable", "VariableV2", "TemporaryVariable"})
 # Single-value ops through which a variable's read stays "the variable".
 PASS_THROUGH_OPS = frozenset({"Identity", "Cast", "Reshape", "Transpose",
                               "ExpandDims", "Squeeze", "Snapshot", "IdentityN"})
@@ -300,6 +303,13 @@ def variable_access(g: GraphIndex) -> tuple[dict, dict]:
             updates[handle_root(g, g.data_inputs[i][0][0])].append(i)
     readers = collections.defaultdict(list)
     for root in updates:
+        if g.ops[root] in REF_VARIABLE_OPS:
+            # A reference variable has no handle to forward: every consumer
+            # that does not write it reads its value (`w/read`, or an op
+            # taking the ref directly), at any input slot.
+            readers[root] = sorted({c for c, _, _ in g.consumers[root]
+                                    if not is_update_op(g.ops[c])})
+            continue
         stack, seen = [root], {root}
         while stack:
             h = stack.pop()

@@ -51,6 +51,24 @@ def apply_plan(graph_def, plan: planner.Plan) -> RewriteResult:
     return RewriteResult(graph_def=out, modified=bool(plan.recomputes or plan.swaps))
 
 
+def _check_device(node, trigger, tensor: str) -> None:
+    """Refuses a control edge from a trigger on another device.
+
+    A generated node runs on its tensor's device; a control edge to it from
+    another device ties the two devices' executors together (TensorFlow
+    turns it into a Send/Recv pair when it partitions the graph), and on two
+    logical CPU devices such an edge deadlocked the step. The pass then
+    hands the graph back unchanged, with the reason in its report.
+
+    Raises:
+      ValueError: naming the tensor, the trigger and both devices.
+    """
+    if node.device and trigger.device and node.device != trigger.device:
+        raise ValueError(
+            f"plan crosses devices: {tensor} needs {node.name!r} on {node.device} "
+            f"released by {trigger.name!r} on {trigger.device}")
+
+
 def _apply_swap(out, nodes: dict, recipe: planner.Swap, cache_budget) -> None:
     """Adds a swap-out after the producer and one swap-in per group, each
     released by its prefetch trigger, and rewires the group's readers.
@@ -69,13 +87,19 @@ def _apply_swap(out, nodes: dict, recipe: planner.Swap, cache_budget) -> None:
         swap_out.attr["budget"].i = int(cache_budget)
         swap_out.attr["uses"].i = len(recipe.groups)
     for reader in recipe.forward_readers:
-        _node(nodes, reader).input.append("^" + swap_out.name)
+        node = _node(nodes, reader)
+        # A reader on another device already waits for the tensor through
+        # TensorFlow's Send/Recv; a control edge across devices on top of it
+        # would tie the devices' executors together for nothing.
+        if not (node.device and source.device and node.device != source.device):
+            node.input.append("^" + swap_out.name)
     for j, group in enumerate(recipe.groups):
-        _node(nodes, group.trigger)
+        _node(nodes, group.trigger)     # a missing trigger is a ValueError
         swap_in = _new_node(out, names.swap_in_name(producer, port, j),
                             names.CACHE_IN_OP if cached else names.SWAP_IN_OP,
                             [swap_out.name, "^" + group.trigger], source.device,
                             recipe.dtype, names.ROLE_SWAP_IN)
+        _check_device(swap_in, nodes[group.trigger], recipe.tensor)
         if cached:
             _set_shape(swap_in.attr["shape"].shape, recipe.shape)
         for consumer, slot in group.consumers:
@@ -83,7 +107,13 @@ def _apply_swap(out, nodes: dict, recipe: planner.Swap, cache_budget) -> None:
 
 
 def _set_shape(proto, shape) -> None:
-    """Fills a TensorShapeProto: None is an unknown rank, -1 an unknown dim."""
+    """Fills a TensorShapeProto: None is an unknown rank, -1 an unknown dim.
+
+    A scalar's shape has no field to fill; SetInParent still marks the
+    enclosing AttrValue as holding a shape (an AttrValue with nothing set is
+    read by TensorFlow as an unbound placeholder: "Failed to bind all
+    placeholders" when the function is instantiated)."""
+    proto.SetInParent()
     if shape is None:
         proto.unknown_rank = True
         return
@@ -124,6 +154,7 @@ def _apply_recompute(out, nodes: dict, recipe: planner.Recompute, first: int) ->
                 # Held back until the backward pass reaches this point;
                 # without it TensorFlow runs the clone at once and nothing
                 # is saved. Control inputs go after data inputs.
+                _check_device(clone, _node(nodes, group.trigger), recipe.tensor)
                 clone.input.append("^" + group.trigger)
             clones[name] = clone.name
         for consumer, slot in group.consumers:
