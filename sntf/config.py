@@ -158,9 +158,12 @@ def parse_budget(value: Any) -> Optional[Budget]:
                                     "device memory and must lie in (0, 1]")
             return Budget(fraction=fraction)
         try:
-            return Budget(bytes=parse_size(text, "budget"))
+            size = parse_size(text, "budget", allow_zero=True)
         except ValueError:
             raise _budget_error(value, "not a size, fraction or percentage") from None
+        if size == 0:
+            raise _budget_error(value, "it must be positive")
+        return Budget(bytes=size)
     raise _budget_error(value, f"unsupported type {type(value).__name__}")
 
 

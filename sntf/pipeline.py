@@ -341,7 +341,11 @@ def _auto_recompute(graph_def, index: graph.GraphIndex, facts, props,
     speed = planner.plan_recompute(index, facts, "speed", protected)
     planned = _planned(speed, graph_def, index, props, facts.batch)
     if planned is None:
-        return dataclasses.replace(speed, notes=("recompute (auto): nothing to recompute",)), None
+        # Keep the planner's own reason ("control flow present: not
+        # recomputed"); its count note ("recompute (speed): 0 tensor(s)") is not one.
+        why = "; ".join(n for n in speed.notes if not n.startswith("recompute (")
+                        ) or "nothing to recompute"
+        return dataclasses.replace(speed, notes=(f"recompute (auto): {why}",)), None
     peak = planned.facts.peak_step
     at_peak = set()
     for b, (start, end) in planned.facts.intervals.items():
