@@ -20,15 +20,27 @@ def _assert_identical(base, weights, result, got, what):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["resnet", "transformer"])
-def test_mixed_bfloat16_is_rewritten_and_identical(fresh_python, tmp_path, family):
-    flags = ("--mixed-precision", "mixed_bfloat16")
+@pytest.mark.parametrize("family, precision", [
+    ("resnet", "mixed_bfloat16"), ("transformer", "mixed_bfloat16"),
+    ("resnet", "mixed_float16")])
+def test_mixed_precision_is_rewritten_and_identical(fresh_python, tmp_path, family,
+                                                    precision):
+    flags = ("--mixed-precision", precision)
     base, weights = train_family(fresh_python, tmp_path / "base.npz", family, *flags)
     for policy in POLICIES:
         result, got = train_family(fresh_python, tmp_path / "p.npz", family, *flags,
                                    "--sntf", policy, *SMALL_SWAPS)
         _assert_identical(base, weights, result, got, (family, policy))
         training = [r for r in result["reports"] if r["training"]]
+        if precision == "mixed_float16":
+            # Keras' loss-scale optimizer unscales and checks the gradients
+            # before applying them, and the structural detection does not
+            # follow that path yet: the step runs unchanged, and its report
+            # says it was not taken for a training step.
+            assert not training, training
+            assert any("none from a gradient" in r["reason"] and r["nodes"] > 1000
+                       for r in result["reports"]), result["reports"]
+            continue
         if policy == "swap+recompute":
             assert any(r["action"] == "rewritten" for r in training), training
         else:
