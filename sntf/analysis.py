@@ -536,17 +536,16 @@ def resolve_symbolic_dims(g: graph.GraphIndex, properties: Properties) -> Proper
         resolved[name] = new_outs
     for (node, port), c in counts.items():
         kept.setdefault((g.names[node], port), c)
-    return _CountedProperties(resolved, kept, batch_id)
+    return _CountedProperties(resolved, kept)
 
 
 class _CountedProperties(dict):
     """Resolved properties, plus element counts known for tensors whose
     shape still holds unsolved dims (name, port) -> (elements, batch power)."""
 
-    def __init__(self, data, counts, batch_id):
+    def __init__(self, data, counts):
         super().__init__(data)
         self.counts = counts
-        self.batch_id = batch_id
 
 
 def has_unknown_dims(properties: Properties) -> bool:

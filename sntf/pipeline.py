@@ -374,10 +374,11 @@ STAGES = {"recompute": ("recompute",), "swap": ("swap",),
 
 
 def _best_rewrite(graph_def, index: graph.GraphIndex, facts, props,
-                  state: config.State, report: dict):
+                  state: config.State, report: dict, budget: Optional[int]):
     """Plans, rewrites and re-analyzes, stage by stage (recompute, then swap
     over the recomputed graph); keeps a stage only if it lowers the predicted
-    peak (a stage that would not is dropped, with the reason).
+    peak (a stage that would not is dropped, with the reason). Policy "auto"
+    with a budget (in bytes, for this graph's device) goes to _fit_budget.
 
     Returns:
       (plan, rewrite result, Analysis of the rewritten graph or None).
@@ -390,7 +391,6 @@ def _best_rewrite(graph_def, index: graph.GraphIndex, facts, props,
     if facts is None:
         plan = planner.identity_plan(state.policy, "no analysis: graph left unchanged")
         return plan, rewrite.apply_plan(graph_def, plan), None
-    budget = _budget_bytes(state, index)
     if state.policy == "auto" and budget is not None:
         return _fit_budget(graph_def, index, facts, props, state, budget, report)
     current = _Planned(graph_def, index, facts)
@@ -770,19 +770,24 @@ def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
                             "an XLA cluster, so sntf leaves it alone")
         return _finish(report, start)
     facts, props = _analyze(index, state, properties, report)
-    if facts is not None and state.budget is not None and in_use is not None:
+    # Resolved once per pass (a GPU graph's fraction asks the CUDA runtime).
+    budget = _budget_bytes(state, index)
+    if facts is not None and budget is not None and in_use is not None:
         report["outside_bytes"] = _outside_bytes(index, facts, in_use)
-    plan, result, planned = _best_rewrite(graph_def, index, facts, props, state, report)
+    plan, result, planned = _best_rewrite(graph_def, index, facts, props, state,
+                                          report, budget)
     if facts is not None:
         plan = dataclasses.replace(
             plan, predicted_peak_bytes=facts.predicted_peak_bytes,
             planned_peak_bytes=(planned or facts).predicted_peak_bytes,
             lower_bound_bytes=facts.lower_bound_bytes)
         report["planned_peak_bytes"] = plan.planned_peak_bytes
-        budget = _budget_bytes(state, index)
         report["budget_bytes"] = budget
         if budget is not None:
-            limit = cudnn_workspace_limit_mb(budget, plan.planned_peak_bytes)
+            # The workspace gets the headroom left by the plan and by what
+            # the device holds outside the graph.
+            limit = cudnn_workspace_limit_mb(
+                budget - (report["outside_bytes"] or 0), plan.planned_peak_bytes)
             report["cudnn_workspace_limit_mb"] = limit
             if _on_gpu(index):
                 _set_cudnn_workspace_limit(limit)
