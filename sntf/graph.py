@@ -36,8 +36,10 @@ REF_SCATTER_OPS = frozenset({
     "ScatterMax", "ScatterUpdate", "ScatterNdAdd", "ScatterNdSub",
     "ScatterNdUpdate", "ScatterNdMax", "ScatterNdMin",
 })
-# Ops that forward a resource handle unchanged (left by function inlining).
-HANDLE_FORWARDING_OPS = frozenset({"Identity", "IdentityN"})
+# Ops that forward a resource handle unchanged: Identity left by function
+# inlining, and the Switch of a lowered tf.cond whose branch writes the
+# variable (Keras' loss-scale optimizer applies gradients under one).
+HANDLE_FORWARDING_OPS = frozenset({"Identity", "IdentityN", "Switch", "RefSwitch"})
 # TF1 reference variables: their output is the variable's value itself (a
 # ref tensor), read by the `<name>/read` Identity or by ops taking the ref.
 REF_VARIABLE_OPS = frozenset({"Variable", "VariableV2", "TemporaryVariable"})
@@ -50,6 +52,10 @@ CONTROL_FLOW_OPS = frozenset({"Enter", "Exit", "Merge", "Switch", "NextIteration
                               "RefSwitch", "RefNextIteration"})
 FUNCTIONAL_CONTROL_FLOW_OPS = frozenset({"While", "StatelessWhile", "If",
                                          "StatelessIf", "Case", "StatelessCase"})
+# Control-flow ops of loops: the pass models no iteration, so a graph with a
+# loop is left alone; conditionals are modelled as both branches running.
+LOOP_OPS = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
+                      "RefNextIteration", "LoopCond", "While", "StatelessWhile"})
 # Upper bound on variables examined by training detection, so that the pass
 # stays fast on graphs with thousands of variables; the first few trained
 # variables are found long before this.
@@ -421,6 +427,33 @@ def control_flow_ops(g: GraphIndex) -> tuple[str, ...]:
     present = {op for op in g.ops
                if op in CONTROL_FLOW_OPS or op in FUNCTIONAL_CONTROL_FLOW_OPS}
     return tuple(sorted(present))
+
+
+def loop_ops(g: GraphIndex) -> tuple[str, ...]:
+    """Types of loop ops present (TF1 frames and functional While)."""
+    return tuple(sorted({op for op in g.ops if op in LOOP_OPS}))
+
+
+def control_flow_region(g: GraphIndex) -> frozenset:
+    """Control-flow ops and every node downstream of one (data or control).
+
+    A node downstream of a Switch may receive a dead tensor (the branch not
+    taken) and pass its deadness on; one downstream of a functional If runs
+    after a whole branch. The pass leaves all of them alone: it neither
+    recomputes nor swaps their outputs, nor rewires a tensor one of them
+    reads. Because the region is closed downstream, the ancestors of a node
+    outside it (recompute chains, swap-in and clone triggers) are outside it
+    too, so nothing the pass adds ever depends on a dead tensor.
+
+    Args:
+      g: the graph index.
+
+    Returns:
+      The indices of the region's nodes (empty without control flow).
+    """
+    seeds = [i for i, op in enumerate(g.ops)
+             if op in CONTROL_FLOW_OPS or op in FUNCTIONAL_CONTROL_FLOW_OPS]
+    return frozenset(descendants(g, seeds, control=True)) if seeds else frozenset()
 
 
 def xla_compiled(graph_def) -> bool:

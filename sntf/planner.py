@@ -156,13 +156,16 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
 
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"unknown recompute mode {mode!r}; modes: {RECOMPUTE_MODES}")
-    if graph_model.control_flow_ops(g):
-        return identity_plan("recompute", "control flow present: not recomputed")
+    if graph_model.loop_ops(g):
+        return identity_plan("recompute", "control flow present (a loop): "
+                             "not recomputed")
     step_of = {node: s for s, node in enumerate(facts.schedule)}
     phases = facts.phases
+    region = graph_model.control_flow_region(g)
 
     def recomputable(i: int) -> bool:
         return (phases[i] == graph_model.FORWARD and i not in protected
+                and i not in region
                 and g.ops[i] not in NEVER_RECOMPUTE_OPS
                 and analysis.op_class(g.ops[i]) == analysis.CHEAP
                 and not graph_model.is_update_op(g.ops[i]))
@@ -183,7 +186,7 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
                 continue
             readers = [(c, slot) for c, slot, p in g.consumers[producer]
                        if p == port and phases[c] == graph_model.BACKWARD]
-            if not readers:
+            if not readers or _read_under_control_flow(g, t, region):
                 continue
             chain = _chain(g, producer, recomputable, read_by_backward)
             if chain is None:
@@ -206,9 +209,25 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
                 bytes_saved=saved, seconds_added=seconds)
             candidates.append((buffer, t, recipe, decision))
     recipes, decisions = _whole_buffers(g, facts, candidates, phases)
-    note = f"recompute ({mode}): {len(recipes)} tensor(s)"
-    return Plan(policy="recompute", decisions=tuple(decisions), notes=(note,),
+    notes = (f"recompute ({mode}): {len(recipes)} tensor(s)",
+             *_control_flow_note(region))
+    return Plan(policy="recompute", decisions=tuple(decisions), notes=notes,
                 recomputes=tuple(recipes))
+
+
+def _read_under_control_flow(g, tensor: tuple, region: frozenset) -> bool:
+    """Whether a node under control flow reads the tensor (see
+    graph.control_flow_region): such a tensor is left as it is."""
+    return bool(region) and any(c in region for c, _, p in g.consumers[tensor[0]]
+                                if p == tensor[1])
+
+
+def _control_flow_note(region: frozenset) -> tuple:
+    """The plan note that says how much control flow was left alone."""
+    if not region:
+        return ()
+    return (f"control flow present: {len(region)} op(s) in or after a "
+            "conditional left alone",)
 
 
 def _whole_buffers(g, facts, candidates, phases):
@@ -363,8 +382,9 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
     from sntf import analysis
     from sntf import graph as graph_model
 
-    if graph_model.control_flow_ops(g):
-        return identity_plan("swap", "control flow present: nothing swapped")
+    if graph_model.loop_ops(g):
+        return identity_plan("swap", "control flow present (a loop): nothing swapped")
+    region = graph_model.control_flow_region(g)
     if bandwidth <= 0:
         raise ValueError(f"bandwidth must be positive, got {bandwidth!r}")
     phases = facts.phases
@@ -375,7 +395,7 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
     decisions, recipes = [], []
     for producer in facts.schedule:
         if (phases[producer] != graph_model.FORWARD or producer in protected
-                or g.ops[producer] in analysis.ALIAS_OPS
+                or producer in region or g.ops[producer] in analysis.ALIAS_OPS
                 or g.ops[producer] in analysis.FREE_OPS
                 or g.ops[producer] in analysis.PERSISTENT_OPS
                 or graph_model.is_update_op(g.ops[producer])):
@@ -389,7 +409,8 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
             size = facts.tensor_bytes.get(buffer, 0) if buffer else 0
             if (buffer is None or size < max(min_bytes, 1)
                     or dtypes.get(t) not in SWAP_DTYPES
-                    or backward_read.get(buffer, set()) != {t}):
+                    or backward_read.get(buffer, set()) != {t}
+                    or _read_under_control_flow(g, t, region)):
                 continue
             readers = sorted(((c, slot) for c, slot, p in g.consumers[producer]
                               if p == port and phases[c] == graph_model.BACKWARD
@@ -413,8 +434,9 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
                         f"prefetched {transfer * 1e3:.3f} ms of transfer ahead"),
                 bytes_saved=size,
                 seconds_added=_exposed_transfer(groups, transfer, g, step_of, elapsed)))
-    note = f"swap: {len(recipes)} tensor(s) of at least {min_bytes} bytes"
-    return Plan(policy="swap", decisions=tuple(decisions), notes=(note,),
+    notes = (f"swap: {len(recipes)} tensor(s) of at least {min_bytes} bytes",
+             *_control_flow_note(region))
+    return Plan(policy="swap", decisions=tuple(decisions), notes=notes,
                 swaps=tuple(recipes))
 
 

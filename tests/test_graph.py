@@ -642,3 +642,13 @@ def test_name_hint_ties_keep_first_seen_order():
           .op("NoOp", "c/x").op("NoOp", "a/y").op("NoOp", "b/y").build())
     assert graph.name_hint(index_of(gd)) == "b,a,c"
     assert graph.name_hint(index_of(gd), limit=2) == "b,a"
+
+
+def test_loop_ops_and_control_flow_region():
+    g = index_of(graphs.while_loop())
+    assert graph.loop_ops(g) == ("Enter", "Exit", "LoopCond", "NextIteration")
+    # Everything from the Enter on is in the region; the initial value is not.
+    assert graph.control_flow_region(g) == frozenset(
+        i for i, name in enumerate(g.names) if name != "i0")
+    plain = index_of(graphs.train_mlp())
+    assert graph.loop_ops(plain) == () and graph.control_flow_region(plain) == frozenset()

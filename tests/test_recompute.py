@@ -4,7 +4,7 @@ with every mode on the six model families (fresh processes)."""
 import pytest
 
 from conftest import train_family
-from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder, properties_fn
+from graphs import DT_BOOL, DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder, properties_fn
 from sntf import analysis, config, names, pipeline, planner, rewrite
 from sntf import graph as G
 
@@ -72,6 +72,88 @@ def test_plan_recomputes_the_pooled_tensor_from_the_kept_relu():
         consumers=(("grad/pool", 0),), trigger="grad/seed"),)
     decision = plan.decisions[0]
     assert decision.action == planner.RECOMPUTE and decision.bytes_saved == 1024
+
+
+def cond_step(forward_cond: bool):
+    """pool_step with a tf.cond lowered to Switch ops.
+
+    forward_cond=False: the update runs only when the gradient is finite,
+    as under Keras' loss-scale optimizer (mixed_float16): the variable's
+    handle and the gradient reach the update through Switch ops.
+    forward_cond=True: p is computed from the Switch of r (a tf.cond in a
+    layer), so p may be a dead tensor and must be left alone."""
+    b = GraphBuilder()
+    (b.arg("x").arg("w", DT_RESOURCE).read("w_read", "w")
+     .op("MatMul", "h", ["x", "w_read"], T=DT_FLOAT)
+     .op("Relu", "r", ["h"], T=DT_FLOAT))
+    if forward_cond:
+        (b.const("flag", True, DT_BOOL)
+         .op("Switch", "cond/r", ["r", "flag"], T=DT_FLOAT)
+         .op("Sigmoid", "p", ["cond/r:1"], T=DT_FLOAT))
+    else:
+        b.op("Sigmoid", "p", ["r"], T=DT_FLOAT)
+    (b.const("axes", [0], DT_INT32)
+     .op("Sum", "loss", ["p", "axes"], T=DT_FLOAT)
+     .const("grad/ones", 1.0)
+     .op("Mul", "grad/seed", ["grad/ones", "loss"], T=DT_FLOAT)
+     .op("SigmoidGrad", "grad/pool", ["p", "grad/seed"], T=DT_FLOAT)
+     .op("ReluGrad", "grad/relu", ["grad/pool", "r"], T=DT_FLOAT)
+     .op("MatMul", "grad/w", ["x", "grad/relu"], T=DT_FLOAT, transpose_a=True)
+     .const("lr", 0.1)
+     .op("Mul", "sgd/mul", ["lr", "grad/w"], T=DT_FLOAT))
+    if forward_cond:
+        b.op("AssignSubVariableOp", "sgd/update", ["w", "sgd/mul"], dtype=DT_FLOAT)
+    else:
+        (b.op("IsFinite", "finite", ["grad/w"], T=DT_FLOAT)
+         .op("All", "all_finite", ["finite", "axes"])
+         .op("Switch", "cond/w", ["w", "all_finite"], T=DT_RESOURCE)
+         .op("Switch", "cond/mul", ["sgd/mul", "all_finite"], T=DT_FLOAT)
+         .op("Identity", "cond/w_id", ["cond/w:1"], T=DT_RESOURCE)
+         .op("AssignSubVariableOp", "sgd/update", ["cond/w_id", "cond/mul:1"],
+             dtype=DT_FLOAT))
+    return b.retval("ret", "loss").build()
+
+
+def _dtypes(idx):
+    """(node, port) -> dtype for plan_swap: float everywhere but handles."""
+    return {(i, port): DT_RESOURCE if op in ("_Arg", "Switch") and "w" in name
+            else DT_FLOAT
+            for i, (name, op) in enumerate(zip(idx.names, idx.ops)) for port in (0, 1)}
+
+
+def _cond_props(g):
+    props = _props(g)
+    idx = G.build_index(g)
+    for name, op in zip(idx.names, idx.ops):
+        if op == "Switch":
+            props[name] = [props[idx.names[idx.data_inputs[idx.node(name)][0][0]]][0]] * 2
+        elif name in ("flag", "all_finite"):
+            props[name] = [(10, ())]
+        elif name == "cond/w_id":
+            props[name] = [(DT_RESOURCE, ())]
+    return props
+
+
+@pytest.mark.parametrize("forward_cond", [False, True])
+def test_a_conditional_is_left_alone_and_the_rest_planned(forward_cond):
+    g = cond_step(forward_cond)
+    idx = G.build_index(g, ["ret"])
+    info = G.detect_training(idx)
+    assert info.training, info.reason        # the handle is found through Switch
+    region = G.control_flow_region(idx)
+    assert idx.node("sgd/update") in region or forward_cond
+    facts = analysis.analyze(idx, _cond_props(g))
+    for plan in (planner.plan_recompute(idx, facts, "speed", frozenset(idx.fetch)),
+                 planner.plan_swap(idx, facts, _dtypes(idx), 1, 1e9,
+                                   frozenset(idx.fetch))):
+        assert any("control flow present" in n for n in plan.notes), plan.notes
+        touched = {d.tensor for d in plan.decisions}
+        if forward_cond:
+            # p may be dead: neither recomputed nor swapped; r is read by the
+            # Switch, so it stays as it is too.
+            assert not touched & {"p:0", "r:0"}, touched
+        else:
+            assert "p:0" in touched, touched
 
 
 def scaled_step():
