@@ -184,6 +184,39 @@ class Analysis:
     # Bytes of the variables the graph reads (part of persistent_bytes):
     # allocated before the step, by whoever created the variables.
     variable_bytes: int = 0
+    # Graphs placed on several devices (one replica per device under
+    # tf.distribute): each device's own allocator timeline (bytes in use at
+    # every step), its buffers being those of the nodes placed on it. Empty
+    # for a single-device graph.
+    device_timelines: Mapping[str, tuple[int, ...]] = dataclasses.field(
+        default_factory=dict)
+
+    @property
+    def device_peak_bytes(self) -> dict:
+        """Device -> its predicted peak (multi-device graphs; else empty)."""
+        return {d: max(series, default=0) for d, series in self.device_timelines.items()}
+
+    @property
+    def budget_timeline(self) -> tuple[int, ...]:
+        """The bytes in use a memory budget applies to, at every step.
+
+        Each GPU has its own memory, so for a graph with nodes on GPUs
+        (several replicas, or host ops beside one GPU) it is the timeline of
+        the GPU that peaks highest; otherwise the whole graph's (one device,
+        or logical CPU devices, which share the process's one CPU allocator).
+        """
+        gpus = [series for device, series in sorted(self.device_timelines.items())
+                if "GPU" in device.upper()]
+        if not gpus:
+            return self.timeline.device_bytes
+        return max(gpus, key=lambda series: max(series, default=0))
+
+    @property
+    def budget_peak_bytes(self) -> int:
+        """The peak a memory budget applies to (see budget_timeline)."""
+        if not self.device_timelines:
+            return self.predicted_peak_bytes
+        return max(self.budget_timeline, default=self.predicted_peak_bytes)
 
     def buffer_of(self, tensor: tuple[int, int]) -> Optional[tuple[int, int]]:
         """The buffer a tensor (node, port) lives in, or None (no memory)."""
@@ -751,6 +784,8 @@ def analyze(g: graph.GraphIndex, properties: Properties,
                                if op_class(g.ops[i]) == CHECKPOINT
                                and phases[i] == graph.FORWARD))
     return Analysis(
+        device_timelines=_device_timelines(g, buffer_bytes, persistent, intervals,
+                                           end),
         batch=batch, schedule=order, phases=phases,
         tensor_bytes=dict(buffer_bytes),
         tensor_class=klass, intervals=intervals, buffers=dict(owner),
@@ -798,6 +833,26 @@ def _simulate_allocator(buffer_bytes: dict, persistent: set, intervals: dict,
         for _, b in sorted(frees.get(s, ())):
             sim.free(where.pop(b))
     return tuple(series)
+
+
+def _device_timelines(g: graph.GraphIndex, buffer_bytes: dict, persistent: set,
+                      intervals: dict, end: int) -> dict:
+    """Bytes in use per device and step, for a graph on several devices.
+
+    A buffer belongs to the device of the node that owns it (a variable's to
+    its handle's); each device's buffers go through their own allocator
+    model, as each device has its own allocator.
+    """
+    devices = {d for d in g.devices if d}
+    if len(devices) < 2:
+        return {}
+    timelines = {}
+    for device in sorted(devices):
+        mine = {b for b in buffer_bytes if g.devices[b[0]] == device}
+        timelines[device] = _simulate_allocator(
+            buffer_bytes, persistent & mine,
+            {b: span for b, span in intervals.items() if b in mine}, end)
+    return timelines
 
 
 def _concrete(shape: Optional[tuple], batch: Optional[int]) -> Optional[tuple]:

@@ -82,6 +82,10 @@ def new_report(name: str = "", nodes: int = 0) -> dict:
         "recomputed": None,
         "fetch": [],
         "devices": [],
+        # A graph on several devices (tf.distribute replicas): device ->
+        # {nodes, predicted_peak_bytes, planned_peak_bytes, swapped,
+        # recomputed}, what the pass found and did on each.
+        "per_device": {},
         "error": None,
         "invocations": 1,
         "batch": None,
@@ -480,13 +484,13 @@ class _Selections:
             plan, decisions=plan.decisions + swap_plan.decisions,
             swaps=swap_plan.swaps, cache_budget=self._budget if swap else None)
         self.results[frozenset(selection)] = (combined, planned)
-        return planned.facts.predicted_peak_bytes
+        return planned.facts.budget_peak_bytes
 
     def excess(self, selection: tuple, budget: int) -> int:
         """Bytes over `budget` summed over the planned timeline's steps (the
         selection's peak must have been computed)."""
         planned = self.results[frozenset(selection)][1]
-        return sum(max(0, b - budget) for b in planned.facts.timeline.device_bytes)
+        return sum(max(0, b - budget) for b in planned.facts.budget_timeline)
 
 
 def _subset(plan: planner.Plan, tensors: frozenset) -> planner.Plan:
@@ -658,7 +662,7 @@ def _cache_thresholds(graph_def, facts, budget: int, outside: int = 0):
     """
     out = type(graph_def)()
     out.CopyFrom(graph_def)
-    headroom = max(0, budget - outside - facts.predicted_peak_bytes)
+    headroom = max(0, budget - outside - facts.budget_peak_bytes)
     for node in out.node:
         if node.op == names.CACHE_OUT_OP:
             node.attr["budget"].i = budget
@@ -667,20 +671,41 @@ def _cache_thresholds(graph_def, facts, budget: int, outside: int = 0):
 
 
 def _cache_note(facts, budget: int, outside: int = 0) -> str:
-    headroom = budget - outside - facts.predicted_peak_bytes
+    peak = facts.budget_peak_bytes
+    headroom = budget - outside - peak
     held = f" - {outside} held outside the graph" if outside else ""
     if headroom < 0:
         return (f"budget {budget} bytes{held} is below the planned peak "
-                f"{facts.predicted_peak_bytes} bytes: every swap copies")
+                f"{peak} bytes: every swap copies")
     return (f"tensor cache: up to {headroom} bytes of swapped tensors stay on the "
-            f"device (budget {budget}{held} - planned peak "
-            f"{facts.predicted_peak_bytes})")
+            f"device (budget {budget}{held} - planned peak {peak})")
 
 
 CUDNN_WORKSPACE_ENV = "TF_CUDNN_WORKSPACE_LIMIT_IN_MB"
 # Below this cuDNN is left its smallest algorithms only; 0 would forbid any
 # workspace and fail some convolutions outright.
 MIN_CUDNN_WORKSPACE_MB = 32
+
+
+def _per_device(index: graph.GraphIndex, facts, planned, plan) -> dict:
+    """Device -> the pass's figures and actions there, for a graph placed on
+    several devices (one replica per device under tf.distribute)."""
+    devices = sorted({d for d in index.devices if d})
+    if len(devices) < 2:
+        return {}
+    def on(device, tensors):
+        return [t for t in tensors
+                if index.devices[index.node(t.rsplit(":", 1)[0])] == device]
+
+    before = facts.device_peak_bytes if facts is not None else {}
+    after = (planned or facts).device_peak_bytes if facts is not None else {}
+    return {device: {
+        "nodes": sum(1 for d in index.devices if d == device),
+        "predicted_peak_bytes": before.get(device),
+        "planned_peak_bytes": after.get(device, before.get(device)),
+        "swapped": on(device, plan.tensors(planner.SWAP)),
+        "recomputed": on(device, plan.tensors(planner.RECOMPUTE)),
+    } for device in devices}
 
 
 def cudnn_workspace_limit_mb(budget: int, planned_peak: int) -> int:
@@ -799,6 +824,7 @@ def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
         report["properties"] = props
     report["swapped"] = plan.tensors(planner.SWAP)
     report["recomputed"] = plan.tensors(planner.RECOMPUTE)
+    report["per_device"] = _per_device(index, facts, planned, plan)
     report["plan"] = plan.to_dict()
     if result.modified or state.options.identity_rewrite:
         report["action"] = REWRITTEN

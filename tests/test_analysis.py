@@ -275,3 +275,43 @@ def test_a_first_dim_that_is_batch_times_length_is_sized_as_such():
     assert resolved.counts[("m", 0)] == (64 * 16, 1)
     a = analyze(g, props, batch=4)
     assert a.tensor_bytes[(idx.node("m"), 0)] == 4 * 64 * 16 * 4
+
+
+def test_each_device_of_a_two_device_graph_gets_its_own_peak():
+    """x (an argument: not the step's memory) feeds a on CPU:0 and b -> c on
+    CPU:1. CPU:1's allocator holds b and c together (3 KiB at c's step);
+    CPU:0's holds a, then a with d (1.25 KiB); the two together peak at
+    4 KiB when c runs while a is alive."""
+    d0, d1 = "/device:CPU:0", "/device:CPU:1"
+    g = (GraphBuilder().arg("x", device=d0)
+         .op("MaxPool", "a", ["x"], device=d0)
+         .op("MaxPool", "b", ["x"], device=d1)
+         .op("MaxPool", "c", ["b"], device=d1)
+         .op("MatMul", "d", ["a", "c"], device=d0)
+         .retval("ret", "d").build())
+    props = {"x": f32(256), "a": f32(256), "b": f32(256), "c": f32(512),
+             "d": f32(64)}
+    a = analyze(g, props)
+    assert set(a.device_peak_bytes) == {d0, d1}
+    assert a.device_peak_bytes[d1] == 3 * KIB
+    assert a.device_peak_bytes[d0] == 1280
+    assert a.predicted_peak_bytes == 4 * KIB
+    assert analyze(chain(), CHAIN_PROPS).device_peak_bytes == {}
+
+
+@pytest.mark.parametrize("kind", ["CPU", "GPU"])
+def test_a_budget_applies_to_each_gpu_or_to_the_shared_cpu_allocator(kind):
+    """Two replicas of x -> a -> b, one per device: logical CPUs share one
+    allocator (the budget applies to the total), GPUs each have their own
+    memory (it applies to the larger GPU's peak)."""
+    b = GraphBuilder()
+    for r in (0, 1):
+        device = f"/device:{kind}:{r}"
+        (b.arg(f"x{r}", device=device).op("MaxPool", f"a{r}", [f"x{r}"], device=device)
+         .op("MaxPool", f"b{r}", [f"a{r}"], device=device).retval(f"ret{r}", f"b{r}"))
+    props = {f"{n}{r}": f32(256 * (r + 1)) for r in (0, 1) for n in "xab"}
+    a = analyze(b.build(), props)
+    assert sorted(a.device_peak_bytes.values()) == [2 * KIB, 4 * KIB]
+    expected = 4 * KIB if kind == "GPU" else a.predicted_peak_bytes
+    assert a.budget_peak_bytes == expected and max(a.budget_timeline) == expected
+    assert a.predicted_peak_bytes > 4 * KIB

@@ -243,6 +243,18 @@ def test_mirrored_strategy_rewrites_every_replica_identically(
                     (device, roles)
         assert report["swapped"] or policy == "recompute"
         assert report["recomputed"]
+        # The report says the same per device: each replica's own peaks,
+        # planned below predicted, and the tensors rewritten there.
+        per_device = report["per_device"]
+        assert sorted(per_device) == sorted(devices), per_device
+        for device, figures in per_device.items():
+            assert figures["recomputed"] and set(figures["recomputed"]) <= set(
+                report["recomputed"]), (device, figures)
+            assert bool(figures["swapped"]) == (policy == "swap+recompute"), figures
+            assert 0 < figures["planned_peak_bytes"] < figures["predicted_peak_bytes"] \
+                < report["predicted_peak_bytes"], (device, figures)
+        assert sorted(t for f in per_device.values() for t in f["recomputed"]) == \
+            sorted(report["recomputed"])
 
 
 # ---------------------------------------------- MultiWorkerMirroredStrategy

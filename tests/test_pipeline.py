@@ -17,7 +17,7 @@ from sntf import config, names, pipeline, planner, rewrite  # noqa: E402
 
 REPORT_KEYS = {"graph", "training", "nodes", "action", "reason", "policy",
                "predicted_peak_bytes", "planned_peak_bytes", "lower_bound_bytes",
-               "pass_seconds", "swapped", "recomputed", "fetch", "devices",
+               "pass_seconds", "swapped", "recomputed", "fetch", "devices", "per_device",
                "error", "invocations", "batch", "analysis", "analysis_error", "stage_seconds",
                "cudnn_workspace_limit_mb", "budget_bytes", "budget_fits",
                "achievable_peak_bytes", "predicted_seconds_added", "batch_source",

@@ -232,7 +232,7 @@ def _memory(tf, devices: list[str]) -> dict:
 def _report_summary(report: dict) -> dict:
     keys = ("graph", "training", "nodes", "action", "reason", "devices",
             "invocations", "swapped", "recomputed", "predicted_peak_bytes",
-            "planned_peak_bytes", "error")
+            "planned_peak_bytes", "per_device", "error")
     summary = {k: report.get(k) for k in keys}
     if report.get("rewritten_graph") is not None and report["action"] == "rewritten":
         summary["placement"] = check_placement(report["original_graph"],
