@@ -110,9 +110,11 @@ def stats() -> dict:
       limit_bytes, num_allocs, largest_free_block, fragmentation...},
       "swap": {swap_out_ops, swap_in_ops, bytes_to_host, bytes_to_device,
       failed_ops, cache_hits, cache_misses, cache_evictions, cache_no_stats,
-      cache_entries, cached_device_bytes}, "plugin": {calls, passthrough,
-      native_errors, ...}}. A hit is a swap-in served by the tensor cache's
-      device copy (no transfer); a miss copied from the host pool.
+      pool_fallbacks, cache_entries, cached_device_bytes}, "plugin": {calls,
+      passthrough, native_errors, ...}}. A hit is a swap-in served by the
+      tensor cache's device copy (no transfer); a miss copied from the host
+      pool. A pool fallback is a tensor the pool could not hold (its limit
+      is below the tensor, or it is full): it stayed in ordinary memory.
     """
     from sntf import _native
 

@@ -26,7 +26,7 @@ POOL_STAT_NAMES = ("bytes_in_use", "peak_bytes_in_use", "bytes_reserved",
                    "pinned_regions", "pinned_bytes", "pin_failures")
 SWAP_STAT_NAMES = ("swap_out_ops", "swap_in_ops", "bytes_to_host",
                    "bytes_to_device", "failed_ops", "cache_hits", "cache_misses",
-                   "cache_evictions", "cache_no_stats")
+                   "cache_evictions", "cache_no_stats", "pool_fallbacks")
 
 
 # Page-locking hooks of the host pool (int pin(void*, uint64), void unpin(void*)).

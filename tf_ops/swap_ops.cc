@@ -91,6 +91,30 @@ tensorflow::Status AllocateParked(const tensorflow::Tensor& like,
   return tensorflow::OkStatus();
 }
 
+void NotePoolFallback(const tensorflow::Status& pool_error) {
+  Counters().pool_fallbacks.fetch_add(1);
+  static std::atomic<bool> logged{false};
+  if (!logged.exchange(true)) {
+    LOG(WARNING) << "sntf: " << pool_error.message()
+                 << "; the tensor stays in ordinary memory instead and "
+                    "training goes on (raise sntf.enable(host_pool_limit=...) "
+                    "or SNTF_HOST_POOL_LIMIT). Logged once; sntf.stats() "
+                    "counts such tensors as pool_fallbacks.";
+  }
+}
+
+tensorflow::Status AllocateParkedOrHost(tensorflow::OpKernelContext* ctx,
+                                        const tensorflow::Tensor& like,
+                                        tensorflow::Tensor* parked) {
+  tensorflow::Status status = AllocateParked(like, parked);
+  if (status.ok()) return status;
+  NotePoolFallback(status);
+  tensorflow::AllocatorAttributes host;
+  host.set_on_host(true);
+  host.set_gpu_compatible(true);
+  return ctx->allocate_temp(like.dtype(), like.shape(), parked, host);
+}
+
 // Plain memory copy between two tensors of identical dtype and shape; size_t
 // throughout so tensors above 4 GiB copy whole.
 void CopyBytes(const tensorflow::Tensor& from, tensorflow::Tensor* to) {
@@ -142,8 +166,13 @@ class SnSwapOutCpuOp : public tensorflow::OpKernel {
     const tensorflow::Tensor& x = ctx->input(0);
     tensorflow::Tensor parked;
     tensorflow::Status status = AllocateParked(x, &parked);
-    if (!status.ok()) Counters().failed_ops.fetch_add(1);
-    OP_REQUIRES_OK(ctx, status);
+    if (!status.ok()) {
+      // On a CPU device ordinary host memory is the device's own: a copy
+      // would only add bytes, so the tensor itself is handed on.
+      NotePoolFallback(status);
+      ctx->set_output(0, x);
+      return;
+    }
     CopyBytes(x, &parked);
     Counters().swap_out_ops.fetch_add(1);
     Counters().bytes_to_host.fetch_add(x.TotalBytes());
@@ -183,7 +212,7 @@ class SnSwapOutGpuOp : public tensorflow::AsyncOpKernel {
                     DoneCallback done) override {
     const tensorflow::Tensor& x = ctx->input(0);
     tensorflow::Tensor parked;
-    tensorflow::Status status = AllocateParked(x, &parked);
+    tensorflow::Status status = AllocateParkedOrHost(ctx, x, &parked);
     if (!status.ok()) Counters().failed_ops.fetch_add(1);
     OP_REQUIRES_OK_ASYNC(ctx, status, done);
     if (x.TotalBytes() == 0) {
@@ -277,7 +306,7 @@ extern "C" {
 
 // Fills out[0..n) with: swap_out_ops, swap_in_ops, bytes_to_host,
 // bytes_to_device, failed_ops, cache_hits, cache_misses, cache_evictions,
-// cache_no_stats. Returns how many values were written.
+// cache_no_stats, pool_fallbacks. Returns how many values were written.
 __attribute__((visibility("default"))) int sntf_swap_stats(uint64_t* out,
                                                            int n) {
   if (out == nullptr || n <= 0) return 0;
@@ -287,7 +316,7 @@ __attribute__((visibility("default"))) int sntf_swap_stats(uint64_t* out,
       c.bytes_to_host.load(),   c.bytes_to_device.load(),
       c.failed_ops.load(),      c.cache_hits.load(),
       c.cache_misses.load(),    c.cache_evictions.load(),
-      c.cache_no_stats.load(),
+      c.cache_no_stats.load(),  c.pool_fallbacks.load(),
   };
   const int total = sizeof(values) / sizeof(values[0]);
   const int count = n < total ? n : total;

@@ -143,7 +143,7 @@ class TensorCache {
     }
     if (!entry.on_device) {
       Tensor host;
-      Status s = AllocateParked(x, &host);
+      Status s = AllocateParkedOrHost(ctx, x, &host);
       if (!s.ok()) return s;
       s = mover.ToHost(ctx, x, &host);
       if (!s.ok()) return s;
@@ -214,7 +214,7 @@ class TensorCache {
   Status Evict(OpKernelContext* ctx, const Mover& mover, int64_t ticket) {
     Entry& entry = entries_.at(ticket);
     Tensor host;
-    Status s = AllocateParked(entry.tensor, &host);
+    Status s = AllocateParkedOrHost(ctx, entry.tensor, &host);
     if (!s.ok()) return s;
     s = mover.ToHost(ctx, entry.tensor, &host);
     if (!s.ok()) return s;

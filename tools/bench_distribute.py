@@ -31,7 +31,6 @@ import json
 import os
 import shlex
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
