@@ -293,6 +293,18 @@ def _planned(plan: planner.Plan, graph_def, before: graph.GraphIndex, props,
                                      batch=batch))
 
 
+def _onednn_enabled() -> bool:
+    """Whether TensorFlow's oneDNN graph rewrites run (TF_ENABLE_ONEDNN_OPTS;
+    on by default on x86 Linux). Unknown counts as on: the swap planner
+    then keeps oneDNN's forward/gradient pairs intact."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except Exception:  # noqa: BLE001 - a private API; the safe answer
+        return True
+
+
 def _protected(index: graph.GraphIndex) -> frozenset:
     return frozenset(index.fetch) | frozenset(index.preserve)
 
@@ -308,7 +320,8 @@ def _swap_plan(index: graph.GraphIndex, facts, props, state: config.State,
                 dtypes[(index.node(name), port)] = dtype
                 shapes[(index.node(name), port)] = shape
     plan = planner.plan_swap(index, facts, dtypes, state.options.swap_min_bytes,
-                             _link_bandwidth(state, index), _protected(index), shapes)
+                             _link_bandwidth(state, index), _protected(index), shapes,
+                             workspace_pairs=_onednn_enabled())
     return dataclasses.replace(plan, cache_budget=cache_budget)
 
 

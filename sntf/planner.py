@@ -326,6 +326,14 @@ SWAP_DTYPES = frozenset({1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16,
 # times of the group's first reader; a later reader gets its own swap-in, so
 # the tensor does not sit on the device between distant readers.
 SWAP_WINDOW_TRANSFERS = 4.0
+# oneDNN's graph pass (MklLayoutRewritePass, on by default on x86) pairs a
+# forward op with its gradient through a workspace tensor when the gradient
+# reads the forward output directly, at this input slot. Served by a
+# swap-in, the gradient loses the pairing and runs TensorFlow's own kernel,
+# which breaks ties between equal maxima differently (found by
+# tools/fuzz_pass.py: a max pool after dropout, one gradient 1 ulp off).
+WORKSPACE_PAIRS = {("MaxPool", "MaxPoolGrad"): 1, ("MaxPool3D", "MaxPool3DGrad"): 1,
+                   ("LRN", "LRNGrad"): 2}
 # Readers that need only a tensor's shape: they keep reading the original
 # (they are ready, and run, as soon as the tensor exists).
 METADATA_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
@@ -355,7 +363,8 @@ class Swap:
 
 
 def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
-              protected: frozenset = frozenset(), shapes: Optional[dict] = None) -> Plan:
+              protected: frozenset = frozenset(), shapes: Optional[dict] = None,
+              workspace_pairs: bool = True) -> Plan:
     """Superneurons' unified tensor pool: offload, then prefetch.
 
     A forward tensor of at least `min_bytes` that the backward pass reads is
@@ -375,6 +384,8 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
       protected: node indices that must stay as they are (fetch, preserve).
       shapes: (node, port) -> static shape, recorded for the cache ops'
         shape inference.
+      workspace_pairs: whether oneDNN pairs ops with their gradients (see
+        WORKSPACE_PAIRS); such a pair's tensor is then not swapped.
 
     Returns:
       A Plan with one SWAP decision and one Swap recipe per tensor.
@@ -410,7 +421,8 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
             if (buffer is None or size < max(min_bytes, 1)
                     or dtypes.get(t) not in SWAP_DTYPES
                     or backward_read.get(buffer, set()) != {t}
-                    or _read_under_control_flow(g, t, region)):
+                    or _read_under_control_flow(g, t, region)
+                    or (workspace_pairs and _workspace_paired(g, t))):
                 continue
             readers = sorted(((c, slot) for c, slot, p in g.consumers[producer]
                               if p == port and phases[c] == graph_model.BACKWARD
@@ -438,6 +450,14 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
              *_control_flow_note(region))
     return Plan(policy="swap", decisions=tuple(decisions), notes=notes,
                 swaps=tuple(recipes))
+
+
+def _workspace_paired(g, tensor: tuple) -> bool:
+    """Whether the tensor's gradient op reads it where oneDNN pairs the two."""
+    producer, port = tensor
+    return port == 0 and any(
+        WORKSPACE_PAIRS.get((g.ops[producer], g.ops[c])) == slot
+        for c, slot, p in g.consumers[producer] if p == port)
 
 
 def _backward_read_by_buffer(g, facts) -> dict:

@@ -83,6 +83,30 @@ def test_plan_swaps_the_large_tensor_the_backward_pass_reads():
     assert swap_plan(min_bytes=2 * MIB)[4].swaps == ()
 
 
+@pytest.mark.parametrize("onednn", [True, False])
+def test_a_max_pool_read_by_its_gradient_is_swapped_only_without_onednn(onednn):
+    """dense_step with h1 = MaxPool(h1_pre) and its gradient MaxPoolGrad(
+    h1_pre, h1, dy): oneDNN pairs the two through a workspace only while
+    MaxPoolGrad reads h1 straight from the MaxPool (tools/fuzz_pass.py
+    found a 1-ulp gradient when a swap-in stood between them)."""
+    g, props = dense_step()
+    for node in g.node:
+        if node.name == "h1":
+            node.op = "MaxPool"
+        elif node.name == "grad/relu":
+            node.op = "MaxPoolGrad"
+            node.input[:] = ["h1_pre", "h1", "grad/h1"]
+    idx = G.build_index(g, ["ret"])
+    facts = analysis.analyze(idx, props)
+    dtypes = {(idx.node(n), p): o[0] for n, outs in props.items()
+              for p, o in enumerate(outs)}
+    plan = planner.plan_swap(idx, facts, dtypes, 1, 1e9, frozenset(idx.fetch),
+                             workspace_pairs=onednn)
+    swapped = [sw.tensor for sw in plan.swaps]
+    assert ("h1:0" in swapped) is not onednn, swapped
+    assert "h1_pre:0" in swapped        # the gradient's other input is free to go
+
+
 def test_prefetch_trigger_runs_before_the_first_reader_and_covers_the_transfer():
     _, _, idx, facts, plan = swap_plan(bandwidth=1e15)     # transfer ~ free
     step_of = {n: s for s, n in enumerate(facts.schedule)}
