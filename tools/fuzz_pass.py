@@ -5,10 +5,11 @@
                               [--replay SPEC_JSON] [--inject-fault] [--timeout S]
 
 Each case is a random training step: a DAG of dense or conv layers,
-element-wise ops, normalizations, dropout, pooling, concatenations and
-splits, with skip connections (a layer reads any earlier tensor), on an
+element-wise ops, normalizations, dropout, pooling, concatenations, splits
+and tf.cond layers, with skip connections (a layer reads any earlier tensor), on an
 input whose batch dimension is fixed or unknown (input_signature with None),
-its layers on one or two logical CPU devices, trained for two SGD steps in
+its layers on one or two logical CPU devices, trained for two SGD steps
+(the update applied directly or under a tf.cond on finite gradients) in
 a tf.function that returns the loss, the output and every gradient. The
 same case is built twice in this one process: once with sntf disabled (the
 reference) and once with a random policy ("recompute", "swap",
@@ -56,7 +57,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLICIES = ("recompute", "swap", "swap+recompute")
 ACTIVATIONS = ("relu", "tanh", "sigmoid", "elu", "softplus")
 DENSE_OPS = ("linear", "linear", "act", "add", "mul", "concat", "split", "norm",
-             "norm", "dropout")
+             "norm", "dropout", "cond")
 CONV_OPS = DENSE_OPS + ("pool",)
 MAX_WIDTH = 48            # concatenations stop growing the feature axis here
 DEVICES = ("/device:CPU:0", "/device:CPU:1")
@@ -109,7 +110,7 @@ def case_specs(policies=POLICIES):
                 k = draw(st.integers(1, dims[i] - 1))
                 layer["sizes"] = [k, dims[i] - k]
                 dims += layer["sizes"]
-            elif op == "act":
+            elif op in ("act", "cond"):
                 layer["act"] = draw(st.sampled_from(ACTIVATIONS))
                 dims.append(dims[i])
             elif op == "dropout":
@@ -143,6 +144,9 @@ def case_specs(policies=POLICIES):
             "batch": draw(st.integers(1, 12 if kind == "conv" else 48)),
             "unknown_batch": draw(st.booleans()),
             "two_devices": two_devices,
+            # The update under a tf.cond on finite gradients, as Keras'
+            # loss-scale optimizer (mixed_float16) applies it.
+            "guarded_update": draw(st.booleans()),
             "policy": draw(st.sampled_from(tuple(policies))),
             "recompute_mode": draw(st.sampled_from(("speed", "memory", "auto"))),
             "budget": budget,
@@ -219,6 +223,10 @@ def build(spec: dict, tf):
                     out = [activation(layer["act"], tf.nn.bias_add(y, p["b"]))]
                 elif op == "act":
                     out = [activation(layer["act"], a)]
+                elif op == "cond":
+                    out = [tf.cond(tf.reduce_mean(a) > 0,
+                                   lambda: activation(layer["act"], a),
+                                   lambda: a * 0.5)]
                 elif op == "add":
                     out = [a + nodes[layer["inputs"][1]]]
                 elif op == "mul":
@@ -256,8 +264,17 @@ def build(spec: dict, tf):
             loss, out = forward(x)
         grads = tape.gradient(loss, variables,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        for v, g in zip(variables, grads):
-            v.assign_sub(LEARNING_RATE * g)
+
+        def apply():
+            for v, g in zip(variables, grads):
+                v.assign_sub(LEARNING_RATE * g)
+            return tf.constant(True)
+
+        if spec.get("guarded_update"):
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+            tf.cond(finite, apply, lambda: tf.constant(False))
+        else:
+            apply()
         return [loss, out] + list(grads)
 
     return step, variables
@@ -528,6 +545,9 @@ class Tally:
             c["rewritten, unknown batch"] += spec["unknown_batch"]
             c["rewritten, two devices"] += spec["two_devices"]
             c["rewritten, with budget"] += spec["budget"] is not None
+            c["rewritten, update under tf.cond"] += bool(spec.get("guarded_update"))
+            c["rewritten, tf.cond layer"] += any(layer["op"] == "cond"
+                                                 for layer in spec["layers"])
         c["with swaps"] += outcome["swapped"] > 0
         c["with recomputations"] += outcome["recomputed"] > 0
         c["with cache ops"] += outcome["cache_ops"]
