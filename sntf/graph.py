@@ -422,13 +422,6 @@ def detect_training(g: GraphIndex) -> TrainingInfo:
                         updated_variables=len(updates))
 
 
-def control_flow_ops(g: GraphIndex) -> tuple[str, ...]:
-    """Types of control-flow ops present (TF1 frames and functional ops)."""
-    present = {op for op in g.ops
-               if op in CONTROL_FLOW_OPS or op in FUNCTIONAL_CONTROL_FLOW_OPS}
-    return tuple(sorted(present))
-
-
 def loop_ops(g: GraphIndex) -> tuple[str, ...]:
     """Types of loop ops present (TF1 frames and functional While)."""
     return tuple(sorted({op for op in g.ops if op in LOOP_OPS}))

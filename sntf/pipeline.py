@@ -706,6 +706,7 @@ def _per_device(index: graph.GraphIndex, facts, planned, plan) -> dict:
     devices = sorted({d for d in index.devices if d})
     if len(devices) < 2:
         return {}
+
     def on(device, tensors):
         return [t for t in tensors
                 if index.devices[index.node(t.rsplit(":", 1)[0])] == device]

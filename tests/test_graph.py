@@ -598,19 +598,19 @@ def test_detect_counts_distinct_handles():
 
 
 # --------------------------------------------------------------------------
-# control_flow_ops / xla_compiled / name_hint
+# control-flow regions / xla_compiled / name_hint
 # --------------------------------------------------------------------------
 
-def test_control_flow_ops():
-    g = index_of(graphs.while_loop())
-    assert graph.control_flow_ops(g) == ("Enter", "Exit", "LoopCond", "Merge",
-                                         "NextIteration", "Switch")
-    assert graph.control_flow_ops(index_of(graphs.train_mlp())) == ()
-    functional = (graphs.GraphBuilder().arg("x")
-                  .op("StatelessWhile", "w", ["x"]).op("If", "i", ["x", "w"])
-                  .op("While", "w2", ["i"]).build())
-    assert graph.control_flow_ops(index_of(functional)) == (
-        "If", "StatelessWhile", "While")
+def test_functional_control_flow_starts_a_region():
+    functional = (graphs.GraphBuilder().arg("x").arg("y")
+                  .op("Neg", "before", ["x"])
+                  .op("StatelessIf", "i", ["before", "x"])
+                  .op("Neg", "after", ["i"]).op("Neg", "beside", ["y"]).build())
+    g = index_of(functional)
+    assert graph.loop_ops(g) == ()
+    assert {g.names[i] for i in graph.control_flow_region(g)} == {"i", "after"}
+    with_loop = (graphs.GraphBuilder().arg("x").op("While", "w", ["x"]).build())
+    assert graph.loop_ops(index_of(with_loop)) == ("While",)
 
 
 def test_xla_compiled():

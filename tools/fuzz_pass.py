@@ -571,6 +571,7 @@ def _reason_kind(reason: str) -> str:
     """A training report's reason without the graph-specific part."""
     tail = reason.split("); ", 1)[-1]
     for word in ("would not fall", "nothing to recompute", "already rewritten",
+                 "control flow present",
                  "0 tensor(s)", "plan crosses devices", "deferred to Grappler"):
         if word in tail:
             return word
