@@ -219,7 +219,7 @@ def _analyze(index: graph.GraphIndex, state: config.State,
         report["analysis_error"] = f"{type(e).__name__}: {e}"
         return None, None
     report["batch"] = batch
-    report["predicted_peak_bytes"] = facts.predicted_peak_bytes
+    report["predicted_peak_bytes"] = facts.budget_peak_bytes
     report["lower_bound_bytes"] = facts.lower_bound_bytes
     report["analysis"] = facts.summary()
     return facts, props
@@ -375,8 +375,8 @@ def _auto_recompute(graph_def, index: graph.GraphIndex, facts, props,
     if memory_tensors:
         mixed = planner.plan_recompute(index, facts, "speed", protected, memory_tensors)
         mixed_planned = _planned(mixed, graph_def, index, props, facts.batch)
-        if (mixed_planned is not None and mixed_planned.facts.predicted_peak_bytes
-                < planned.facts.predicted_peak_bytes):
+        if (mixed_planned is not None and mixed_planned.facts.budget_peak_bytes
+                < planned.facts.budget_peak_bytes):
             note += (f", {len(memory_tensors)} live at the planned peak made "
                      "memory-centric")
             return dataclasses.replace(mixed, notes=(note,)), mixed_planned
@@ -421,12 +421,12 @@ def _best_rewrite(graph_def, index: graph.GraphIndex, facts, props,
         if planned is None:
             notes.extend(plan.notes)
             continue
-        if planned.facts.predicted_peak_bytes >= current.facts.predicted_peak_bytes:
+        if planned.facts.budget_peak_bytes >= current.facts.budget_peak_bytes:
             count = len(plan.recomputes) + len(plan.swaps)
             notes.append(f"{kind}: {count} tensor(s) planned but not applied: the "
                          f"predicted peak would not fall "
-                         f"({current.facts.predicted_peak_bytes} -> "
-                         f"{planned.facts.predicted_peak_bytes} bytes)")
+                         f"({current.facts.budget_peak_bytes} -> "
+                         f"{planned.facts.budget_peak_bytes} bytes)")
             continue
         current = planned
         decisions.extend(plan.decisions)
@@ -619,7 +619,7 @@ def _fit_budget(graph_def, index: graph.GraphIndex, facts, props,
     note = (f"auto: budget {budget} bytes (plan target {target} bytes: margin "
             f"{state.options.budget_margin:g}, {outside} bytes held outside the "
             "graph), predicted peak "
-            f"{facts.predicted_peak_bytes} -> planned {choice.peak} bytes with "
+            f"{facts.budget_peak_bytes} -> planned {choice.peak} bytes with "
             f"{counts[planner.RECOMPUTE]} buffer(s) recomputed and "
             f"{counts[planner.SWAP]} swapped of {len(options)} option(s), "
             f"{choice.seconds * 1e3:.3f} ms predicted extra per step, "
@@ -817,8 +817,8 @@ def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
                                           report, budget)
     if facts is not None:
         plan = dataclasses.replace(
-            plan, predicted_peak_bytes=facts.predicted_peak_bytes,
-            planned_peak_bytes=(planned or facts).predicted_peak_bytes,
+            plan, predicted_peak_bytes=facts.budget_peak_bytes,
+            planned_peak_bytes=(planned or facts).budget_peak_bytes,
             lower_bound_bytes=facts.lower_bound_bytes)
         report["planned_peak_bytes"] = plan.planned_peak_bytes
         report["budget_bytes"] = budget

@@ -301,9 +301,10 @@ def test_each_device_of_a_two_device_graph_gets_its_own_peak():
 
 @pytest.mark.parametrize("kind", ["CPU", "GPU"])
 def test_a_budget_applies_to_each_gpu_or_to_the_shared_cpu_allocator(kind):
-    """Two replicas of x -> a -> b, one per device: logical CPUs share one
-    allocator (the budget applies to the total), GPUs each have their own
-    memory (it applies to the larger GPU's peak)."""
+    """Two replicas of x -> a -> b, one per device: GPUs each have their own
+    memory (the budget applies to the larger GPU's peak); logical CPUs
+    share one allocator while the replicas run in lockstep (it applies to
+    twice the larger device's peak)."""
     b = GraphBuilder()
     for r in (0, 1):
         device = f"/device:{kind}:{r}"
@@ -312,6 +313,6 @@ def test_a_budget_applies_to_each_gpu_or_to_the_shared_cpu_allocator(kind):
     props = {f"{n}{r}": f32(256 * (r + 1)) for r in (0, 1) for n in "xab"}
     a = analyze(b.build(), props)
     assert sorted(a.device_peak_bytes.values()) == [2 * KIB, 4 * KIB]
-    expected = 4 * KIB if kind == "GPU" else a.predicted_peak_bytes
+    expected = 4 * KIB if kind == "GPU" else 8 * KIB
     assert a.budget_peak_bytes == expected and max(a.budget_timeline) == expected
-    assert a.predicted_peak_bytes > 4 * KIB
+    assert 4 * KIB < a.predicted_peak_bytes < 8 * KIB      # the merged timeline

@@ -137,6 +137,18 @@ def _planned(result: dict) -> Optional[int]:
     return reports[-1]["planned_peak_bytes"] if reports else None
 
 
+def _planned_per_device(result: dict) -> str:
+    """Each device's predicted -> planned peak, from the report's per_device."""
+    reports = [r for r in (result.get("reports") or []) if r.get("per_device")]
+    if not reports:
+        return ""
+    per_device = reports[-1]["per_device"]
+    return "; per device " + ", ".join(
+        f"{d.rsplit('/', 1)[-1].replace('device:', '')} "
+        f"{f['predicted_peak_bytes'] / MIB:.1f} -> {f['planned_peak_bytes'] / MIB:.1f}"
+        for d, f in sorted(per_device.items()))
+
+
 def _rewritten(result: dict) -> str:
     reports = [r for r in (result.get("reports") or []) if r["training"]]
     if not reports:
@@ -163,7 +175,8 @@ def table(mirrored: dict, workers: dict) -> str:
             f"(both: {shared / MIB:.1f}, shared allocator) | "
             f"{_ratio(shared, base and max(_peaks(base)))} | {step:.3f} | "
             f"{_ratio(step, base and base['seconds_per_step'])} | "
-            f"{'-' if planned is None else f'{planned / MIB:.1f} (both)'} | "
+            f"{'-' if planned is None else f'{planned / MIB:.1f} (both)'}"
+            f"{_planned_per_device(result)} | "
             f"{_rewritten(result)} |")
     base = workers.get("none")
     for policy, results in workers.items():
