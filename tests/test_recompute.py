@@ -9,21 +9,32 @@ from sntf import analysis, config, names, pipeline, planner, rewrite
 from sntf import graph as G
 
 
-def pool_step():
+def pool_step(cond: str = ""):
     """h = x W; r = relu(h); p = sigmoid(r); loss = sum(p); W -= lr x^T dh.
 
     p stands for a pooling layer (its static shape is a quarter of r's), a
     cheap op whose gradient reads its output; MaxPool itself is never
     recomputed (see planner.NEVER_RECOMPUTE_OPS). The backward pass reads p
-    (SigmoidGrad), so p is kept from forward to
-    backward unless it is recomputed from r, which the backward pass reads
-    anyway."""
+    (SigmoidGrad), so p is kept from forward to backward unless it is
+    recomputed from r, which the backward pass reads anyway.
+
+    With a tf.cond lowered to Switch ops: cond="update": the update runs
+    only when the gradient is finite, as under Keras' loss-scale optimizer
+    (mixed_float16), the variable's handle and the gradient reaching it
+    through Switch ops; cond="forward": p is computed from the Switch of r
+    (a tf.cond in a layer), so p may be a dead tensor and must be left
+    alone."""
     b = GraphBuilder()
     (b.arg("x").arg("w", DT_RESOURCE).read("w_read", "w")
      .op("MatMul", "h", ["x", "w_read"], T=DT_FLOAT)
-     .op("Relu", "r", ["h"], T=DT_FLOAT)
-     .op("Sigmoid", "p", ["r"], T=DT_FLOAT)
-     .const("axes", [0], DT_INT32)
+     .op("Relu", "r", ["h"], T=DT_FLOAT))
+    if cond == "forward":
+        (b.const("flag", True, DT_BOOL)
+         .op("Switch", "cond/r", ["r", "flag"], T=DT_FLOAT)
+         .op("Sigmoid", "p", ["cond/r:1"], T=DT_FLOAT))
+    else:
+        b.op("Sigmoid", "p", ["r"], T=DT_FLOAT)
+    (b.const("axes", [0], DT_INT32)
      .op("Sum", "loss", ["p", "axes"], T=DT_FLOAT)
      .const("grad/ones", 1.0)
      .op("Mul", "grad/seed", ["grad/ones", "loss"], T=DT_FLOAT)
@@ -31,10 +42,18 @@ def pool_step():
      .op("ReluGrad", "grad/relu", ["grad/pool", "r"], T=DT_FLOAT)
      .op("MatMul", "grad/w", ["x", "grad/relu"], T=DT_FLOAT, transpose_a=True)
      .const("lr", 0.1)
-     .op("Mul", "sgd/mul", ["lr", "grad/w"], T=DT_FLOAT)
-     .op("AssignSubVariableOp", "sgd/update", ["w", "sgd/mul"], dtype=DT_FLOAT)
-     .retval("ret", "loss"))
-    return b.build()
+     .op("Mul", "sgd/mul", ["lr", "grad/w"], T=DT_FLOAT))
+    if cond != "update":
+        b.op("AssignSubVariableOp", "sgd/update", ["w", "sgd/mul"], dtype=DT_FLOAT)
+    else:
+        (b.op("IsFinite", "finite", ["grad/w"], T=DT_FLOAT)
+         .op("All", "all_finite", ["finite", "axes"])
+         .op("Switch", "cond/w", ["w", "all_finite"], T=DT_RESOURCE)
+         .op("Switch", "cond/mul", ["sgd/mul", "all_finite"], T=DT_FLOAT)
+         .op("Identity", "cond/w_id", ["cond/w:1"], T=DT_RESOURCE)
+         .op("AssignSubVariableOp", "sgd/update", ["cond/w_id", "cond/mul:1"],
+             dtype=DT_FLOAT))
+    return b.retval("ret", "loss").build()
 
 
 def _props(g):
@@ -74,46 +93,6 @@ def test_plan_recomputes_the_pooled_tensor_from_the_kept_relu():
     assert decision.action == planner.RECOMPUTE and decision.bytes_saved == 1024
 
 
-def cond_step(forward_cond: bool):
-    """pool_step with a tf.cond lowered to Switch ops.
-
-    forward_cond=False: the update runs only when the gradient is finite,
-    as under Keras' loss-scale optimizer (mixed_float16): the variable's
-    handle and the gradient reach the update through Switch ops.
-    forward_cond=True: p is computed from the Switch of r (a tf.cond in a
-    layer), so p may be a dead tensor and must be left alone."""
-    b = GraphBuilder()
-    (b.arg("x").arg("w", DT_RESOURCE).read("w_read", "w")
-     .op("MatMul", "h", ["x", "w_read"], T=DT_FLOAT)
-     .op("Relu", "r", ["h"], T=DT_FLOAT))
-    if forward_cond:
-        (b.const("flag", True, DT_BOOL)
-         .op("Switch", "cond/r", ["r", "flag"], T=DT_FLOAT)
-         .op("Sigmoid", "p", ["cond/r:1"], T=DT_FLOAT))
-    else:
-        b.op("Sigmoid", "p", ["r"], T=DT_FLOAT)
-    (b.const("axes", [0], DT_INT32)
-     .op("Sum", "loss", ["p", "axes"], T=DT_FLOAT)
-     .const("grad/ones", 1.0)
-     .op("Mul", "grad/seed", ["grad/ones", "loss"], T=DT_FLOAT)
-     .op("SigmoidGrad", "grad/pool", ["p", "grad/seed"], T=DT_FLOAT)
-     .op("ReluGrad", "grad/relu", ["grad/pool", "r"], T=DT_FLOAT)
-     .op("MatMul", "grad/w", ["x", "grad/relu"], T=DT_FLOAT, transpose_a=True)
-     .const("lr", 0.1)
-     .op("Mul", "sgd/mul", ["lr", "grad/w"], T=DT_FLOAT))
-    if forward_cond:
-        b.op("AssignSubVariableOp", "sgd/update", ["w", "sgd/mul"], dtype=DT_FLOAT)
-    else:
-        (b.op("IsFinite", "finite", ["grad/w"], T=DT_FLOAT)
-         .op("All", "all_finite", ["finite", "axes"])
-         .op("Switch", "cond/w", ["w", "all_finite"], T=DT_RESOURCE)
-         .op("Switch", "cond/mul", ["sgd/mul", "all_finite"], T=DT_FLOAT)
-         .op("Identity", "cond/w_id", ["cond/w:1"], T=DT_RESOURCE)
-         .op("AssignSubVariableOp", "sgd/update", ["cond/w_id", "cond/mul:1"],
-             dtype=DT_FLOAT))
-    return b.retval("ret", "loss").build()
-
-
 def _dtypes(idx):
     """(node, port) -> dtype for plan_swap: float everywhere but handles."""
     return {(i, port): DT_RESOURCE if op in ("_Arg", "Switch") and "w" in name
@@ -134,9 +113,10 @@ def _cond_props(g):
     return props
 
 
-@pytest.mark.parametrize("forward_cond", [False, True])
-def test_a_conditional_is_left_alone_and_the_rest_planned(forward_cond):
-    g = cond_step(forward_cond)
+@pytest.mark.parametrize("cond", ["update", "forward"])
+def test_a_conditional_is_left_alone_and_the_rest_planned(cond):
+    forward_cond = cond == "forward"
+    g = pool_step(cond)
     idx = G.build_index(g, ["ret"])
     info = G.detect_training(idx)
     assert info.training, info.reason        # the handle is found through Switch
