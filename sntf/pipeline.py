@@ -700,16 +700,20 @@ CUDNN_WORKSPACE_ENV = "TF_CUDNN_WORKSPACE_LIMIT_IN_MB"
 MIN_CUDNN_WORKSPACE_MB = 32
 
 
-def _per_device(index: graph.GraphIndex, facts, planned, plan) -> dict:
+def _per_device(index: graph.GraphIndex, facts, planned, plan, rewritten) -> dict:
     """Device -> the pass's figures and actions there, for a graph placed on
-    several devices (one replica per device under tf.distribute)."""
+    several devices (one replica per device under tf.distribute).
+
+    `rewritten` is the graph handed back: under "swap+recompute" a swapped
+    tensor may be a recomputed clone's, a node only that graph has.
+    """
     devices = sorted({d for d in index.devices if d})
     if len(devices) < 2:
         return {}
+    device_of = {node.name: node.device for node in rewritten.node}
 
     def on(device, tensors):
-        return [t for t in tensors
-                if index.devices[index.node(t.rsplit(":", 1)[0])] == device]
+        return [t for t in tensors if device_of.get(t.rsplit(":", 1)[0]) == device]
 
     before = facts.device_peak_bytes if facts is not None else {}
     after = (planned or facts).device_peak_bytes if facts is not None else {}
@@ -838,7 +842,7 @@ def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
         report["properties"] = props
     report["swapped"] = plan.tensors(planner.SWAP)
     report["recomputed"] = plan.tensors(planner.RECOMPUTE)
-    report["per_device"] = _per_device(index, facts, planned, plan)
+    report["per_device"] = _per_device(index, facts, planned, plan, result.graph_def)
     report["plan"] = plan.to_dict()
     if result.modified or state.options.identity_rewrite:
         report["action"] = REWRITTEN
