@@ -19,8 +19,8 @@ while training; calls before any enable(); two threads enabling different
 policies while a third trains; a copy of the plugin loaded before sntf is
 imported or enabled; a real foreign CPU graph plugin auto-loaded by
 TensorFlow; a host pool limit below a swapped tensor (a fallback and a
-warning). Every case must end
-with a clear exception or warning and a normal exit (never SIGABRT).
+warning). Every case must end with a clear exception or warning and a
+normal exit (never SIGABRT).
 """
 
 from __future__ import annotations
