@@ -39,6 +39,12 @@ class PassResult:
     # Identity of the graph across Grappler's two iterations (None when the
     # graph could not be parsed); see graph_key.
     key: Optional[bytes] = None
+    # A training graph left for Grappler's last iteration (see run_pass).
+    deferred: bool = False
+
+
+DEFERRED = ("deferred to Grappler's last iteration (sntf rewrites a graph after "
+            "TensorFlow's own optimizers have run on it for the last time)")
 
 
 # Name scopes of nodes that Grappler's own optimizers create or rename.
@@ -127,8 +133,19 @@ def _finish(report: dict, start: float, graph_def=None) -> PassResult:
 def run_pass(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
              state: config.State,
              properties: Optional[PropertiesFn] = None,
-             in_use: Optional[InUseFn] = None) -> PassResult:
+             in_use: Optional[InUseFn] = None, defer: bool = False) -> PassResult:
     """Runs sntf's graph pass on one serialized GraphDef.
+
+    Grappler's meta-optimizer runs every optimizer twice per graph, sntf's
+    last in each iteration. A graph sntf rewrote in the first iteration went
+    through TensorFlow's optimizers once more, and they act on what the
+    rewrite changed: the arithmetic optimizer's MinimizeBroadcasts stage,
+    for one, reassociates a product whose factor lost its second reader to a
+    recomputed clone ((rsqrt * x) * gamma became (rsqrt * gamma) * x), so
+    results were no longer bitwise those of TensorFlow, and oneDNN's rewrite
+    then found "nodes in a cycle" in one such graph. So the plugin asks the
+    first call to defer: a training graph sntf would act on goes back
+    unchanged (PassResult.deferred) and is rewritten the second time.
 
     Args:
       graph_bytes: the serialized GraphDef Grappler handed over.
@@ -140,6 +157,7 @@ def run_pass(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
       in_use: callable giving a device allocator's bytes in use now; with a
         budget, what the device holds outside this graph (input pipelines,
         other models) is taken off the budget the plan must fit.
+      defer: leave a training graph the policy would act on for a later call.
 
     Returns:
       A PassResult. Its graph_def is None when the graph must go back unchanged.
@@ -160,7 +178,7 @@ def run_pass(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
         report["graph"] = graph.name_hint(index)
         report["devices"] = sorted({d for d in index.devices if d})
         result = _plan_and_rewrite(graph_def, index, state, report, start, properties,
-                                   in_use)
+                                   in_use, defer)
         return dataclasses.replace(result, key=key)
     except Exception as e:  # noqa: BLE001 - the pass must never fail a graph
         report["action"] = ERROR
@@ -793,7 +811,8 @@ def _with_generated(props: dict, index: graph.GraphIndex) -> dict:
 def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
                       report: dict, start: float,
                       properties: Optional[PropertiesFn] = None,
-                      in_use: Optional[InUseFn] = None) -> PassResult:
+                      in_use: Optional[InUseFn] = None,
+                      defer: bool = False) -> PassResult:
     if index.sntf_nodes:
         report["action"] = UNCHANGED
         report["reason"] = (f"already rewritten by sntf ({len(index.sntf_nodes)} "
@@ -812,6 +831,9 @@ def _plan_and_rewrite(graph_def, index: graph.GraphIndex, state: config.State,
         report["reason"] = ("XLA-compiled graph: custom ops cannot run inside "
                             "an XLA cluster, so sntf leaves it alone")
         return _finish(report, start)
+    if defer and (state.policy != "off" or state.options.identity_rewrite):
+        report["reason"] = f"training graph ({info.reason}); {DEFERRED}"
+        return dataclasses.replace(_finish(report, start), deferred=True)
     facts, props = _analyze(index, state, properties, report)
     # Resolved once per pass (a GPU graph's fraction asks the CUDA runtime).
     budget = _budget_bytes(state, index)

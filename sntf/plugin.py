@@ -22,7 +22,6 @@ import os
 import site
 import sys
 import threading
-import time
 from typing import Optional, Sequence
 
 from sntf import config, pipeline
@@ -173,50 +172,6 @@ def _merge(first: dict, again: dict) -> None:
             first[k] = again[k]
 
 
-DEFERRED = ("deferred to Grappler's last iteration (sntf rewrites a graph after "
-            "TensorFlow's own optimizers have run on it for the last time)")
-
-
-def _defer(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
-           state: config.State) -> Optional[dict]:
-    """Decides whether to leave this call's graph alone until Grappler hands
-    it over again.
-
-    Grappler's meta-optimizer runs every optimizer twice per graph, sntf's
-    last in each iteration. A graph sntf rewrote in the first iteration went
-    through TensorFlow's optimizers once more, and they act on what the
-    rewrite changed: the arithmetic optimizer's MinimizeBroadcasts stage,
-    for one, reassociates a product whose factor lost its second reader to a
-    recomputed clone ((rsqrt * x) * gamma became (rsqrt * gamma) * x), so
-    results were no longer bitwise those of TensorFlow, and oneDNN's
-    rewrite then found "nodes in a cycle" in one such graph. So a graph
-    sntf would change is passed through the first time and rewritten the
-    second, when nothing of Grappler follows.
-
-    Returns:
-      The report of a deferred graph (a training graph sntf would act on),
-      or None when the pass should run now.
-    """
-    if state.policy == "off" and not state.options.identity_rewrite:
-        return None
-    from tensorflow.core.framework import graph_pb2
-
-    from sntf import graph
-
-    graph_def = graph_pb2.GraphDef.FromString(graph_bytes)
-    index = graph.build_index(graph_def, fetch, preserve)
-    if index.sntf_nodes or graph.xla_compiled(graph_def):
-        return None
-    info = graph.detect_training(index)
-    if not info.training:
-        return None
-    report = pipeline.new_report(graph.name_hint(index), len(index))
-    report.update(policy=state.policy, fetch=list(fetch), training=True,
-                  devices=sorted({d for d in index.devices if d}),
-                  reason=f"training graph ({info.reason}); {DEFERRED}")
-    return report
-
-
 def _device_in_use(device: str) -> Optional[int]:
     """Bytes a device's allocator has in use now; None where it keeps no
     statistics (TensorFlow's default CPU allocator) or the device is absent."""
@@ -233,7 +188,7 @@ def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
     """Entry point called by the compiled shim for every graph.
 
     A training graph sntf would change is rewritten the second time
-    Grappler hands it over (its last iteration, see `_defer`); the first
+    Grappler hands it over (its last iteration, see pipeline.run_pass); the first
     time it goes back unchanged, with a report that the second call
     completes.
 
@@ -258,17 +213,6 @@ def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
             return None
         later = (pending is not None and pending[0] == _generation
                  and pending[1] == tuple(fetch))
-        if not later:
-            start = time.perf_counter()
-            try:
-                deferred = _defer(graph_bytes, fetch, preserve, state)
-            except Exception:  # noqa: BLE001 - the pass below reports it
-                deferred = None
-            if deferred is not None:
-                deferred["pass_seconds"] = time.perf_counter() - start
-                _record(deferred, None, state.options.max_reports)
-                _thread_state.pending = (_generation, tuple(fetch), deferred)
-                return None
         # The pass allocates hundreds of thousands of small objects on large
         # graphs; Python's cyclic GC then rescans the whole heap again and
         # again (a 45k-node graph took 4 s instead of 1.3). Nothing the pass
@@ -277,11 +221,15 @@ def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
         gc.disable()
         try:
             result = pipeline.run_pass(graph_bytes, fetch, preserve, state, properties,
-                                       _device_in_use)
+                                       _device_in_use, defer=not later)
         finally:
             if gc_was_enabled:
                 gc.enable()
         report = result.report
+        if result.deferred:
+            _record(report, None, state.options.max_reports)
+            _thread_state.pending = (_generation, tuple(fetch), report)
+            return None
         out = None
         if result.graph_def is not None:
             out = result.graph_def.SerializeToString()

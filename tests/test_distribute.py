@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ import pytest
 from conftest import REPO, WORKERS, _env
 
 WORKER = os.path.join(WORKERS, "train_distributed.py")
+sys.path.insert(0, WORKERS)
+import train_distributed as td  # noqa: E402  (tests/workers; no TensorFlow at import)
 # Small VGG (3 conv stages of 8/16/16 channels), two steps of a global batch
 # of 16: a full forward/backward/all-reduce/Adam graph per replica in seconds.
 MODEL = ("--family", "vgg", "--depth", "1", "--small", "--steps", "2",
@@ -89,8 +90,6 @@ def _node(graph, name, op, device, inputs=(), role=None):
 def test_check_placement_flags_crossings_and_touched_collectives():
     """The placement checker itself: it must notice each kind of violation
     (otherwise the distributed tests below could never fail)."""
-    sys.path.insert(0, WORKERS)
-    import train_distributed as td
     from tensorflow.core.framework import graph_pb2
 
     from sntf import names
@@ -179,8 +178,6 @@ def test_rewrite_refuses_a_trigger_on_another_device():
 
 
 def test_rewrite_keeps_swap_edges_on_the_tensors_device():
-    sys.path.insert(0, WORKERS)
-    import train_distributed as td
 
     from sntf import names, rewrite
 
@@ -260,25 +257,13 @@ def test_mirrored_strategy_rewrites_every_replica_identically(
 # ---------------------------------------------- MultiWorkerMirroredStrategy
 
 
-def _free_ports(n: int) -> list[int]:
-    """Loopback ports free right now (bound together, so distinct)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def run_workers(out_dir, *flags, workers: int = 2,
                 timeout: float = WORKER_TIMEOUT) -> list[tuple[dict, dict]]:
     """Starts `workers` MultiWorkerMirroredStrategy processes on loopback
     ports, waits for all of them (killing every one on timeout or when one
     fails, so that none is left waiting for its peers), and returns each
     worker's (RESULT dict, weights)."""
-    ports = _free_ports(workers)
+    ports = td.free_ports(workers)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     procs, logs = [], []
     try:

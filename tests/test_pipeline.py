@@ -477,3 +477,18 @@ def test_cudnn_workspace_limit_is_set_for_gpu_graphs_only_once_and_not_over_the_
     monkeypatch.setenv(pipeline.CUDNN_WORKSPACE_ENV, "64")   # the user's value
     pipeline._set_cudnn_workspace_limit(1024)
     assert os.environ[pipeline.CUDNN_WORKSPACE_ENV] == "64"
+
+
+def test_a_training_graph_is_deferred_to_the_last_call_and_nothing_else():
+    data = graphs.train_mlp().SerializeToString()
+    recompute = config.State(enabled=True, policy="recompute")
+    first = pipeline.run_pass(data, ["identity_retval"], [], recompute, defer=True)
+    assert first.deferred and first.graph_def is None
+    assert first.report["training"] and pipeline.DEFERRED in first.report["reason"]
+    assert first.report["action"] == pipeline.UNCHANGED
+    # Policy "off", graphs that are not training steps: nothing to wait for.
+    assert not pipeline.run_pass(data, ["identity_retval"], [], OFF, defer=True).deferred
+    forward = graphs.forward_only().SerializeToString()
+    assert not pipeline.run_pass(forward, [], [], recompute, defer=True).deferred
+    later = pipeline.run_pass(data, ["identity_retval"], [], recompute)
+    assert not later.deferred and pipeline.DEFERRED not in later.report["reason"]

@@ -256,7 +256,8 @@ from sntf import pipeline
 from tensorflow.core.grappler.costs import op_performance_data_pb2 as perf
 seen = {}
 original = pipeline.run_pass
-def spy(graph_bytes, fetch, preserve, state, properties=None, in_use=None):
+def spy(graph_bytes, fetch, preserve, state, properties=None, in_use=None,
+        **kwargs):
     from tensorflow.core.framework import graph_pb2
     g = graph_pb2.GraphDef.FromString(graph_bytes)
     names = [n.name for n in g.node if n.op in ("MatMul", "_FusedMatMul", "Relu")]
@@ -267,7 +268,8 @@ def spy(graph_bytes, fetch, preserve, state, properties=None, in_use=None):
             seen[name] = [d.size for d in p.shape.dim]
         seen["_fetch"] = list(fetch)
     spy.late = properties
-    return original(graph_bytes, fetch, preserve, state, properties, in_use)
+    return original(graph_bytes, fetch, preserve, state, properties, in_use,
+                    **kwargs)
 pipeline.run_pass = spy
 sntf.enable(policy="off")
 losses, w = train()

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,9 @@ from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "workers", "train_distributed.py")
+sys.path.insert(0, os.path.dirname(WORKER))
+import train_distributed  # noqa: E402  (tests/workers; no TensorFlow at import)
+
 MEASURE_ENV = {"TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPU_ALLOCATOR_USE_BFC": "true",
                "TF_CPP_MIN_LOG_LEVEL": "2"}
 MIB = float(1 << 20)
@@ -88,20 +90,9 @@ def run_mirrored(policy: str, args, workdir: str) -> dict:
     return _result(proc.stdout)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def run_workers(policy: str, args, workdir: str, workers: int = 2) -> list[dict]:
     """MultiWorkerMirroredStrategy: `workers` processes, one replica each."""
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in _free_ports(workers)]}
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in train_distributed.free_ports(workers)]}
     procs = []
     try:
         for i in range(workers):

@@ -43,6 +43,21 @@ COLLECTIVE_PREFIXES = ("Collective", "Nccl", "_Nccl", "_Send", "_Recv",
 SNTF_OPS = ("SnSwapOut", "SnSwapIn", "SnCacheOut", "SnCacheIn")
 
 
+def free_ports(n: int) -> list[int]:
+    """Loopback ports free right now (bound together, so distinct), for the
+    TF_CONFIG of local MultiWorkerMirroredStrategy workers."""
+    import socket
+
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def is_collective(op: str) -> bool:
     """Whether an op type is a cross-replica communication op."""
     return op.startswith(COLLECTIVE_PREFIXES)
