@@ -59,15 +59,15 @@ def test_diamond_keeps_the_fork_alive_until_its_last_reader():
     props = {"x": f32(256), "a": f32(256), "b": f32(256), "c": f32(512),
              "d": f32(64)}
     a = analyze(g, props)
-    # TensorFlow's executor: a's consumers, taken last-added first (c, b),
-    # are both expensive; the last of them (b) runs inline, c waits in the
-    # pool and runs when b's chain stops at d (which also needs c).
+    # TensorFlow's executor: a's consumers, in graph order (b, c), are both
+    # expensive; the last of them (c) runs inline, b waits in the pool and
+    # runs when c's chain stops at d (which also needs b).
     idx = G.build_index(g)
-    assert [idx.names[i] for i in a.schedule] == ["x", "a", "b", "c", "d", "ret"]
+    assert [idx.names[i] for i in a.schedule] == ["x", "a", "c", "b", "d", "ret"]
     assert interval(a, g, "a") == (1, 3)
-    assert interval(a, g, "b") == (2, 4)
-    assert interval(a, g, "c") == (3, 4)
-    assert a.timeline.live_bytes == (0, 1 * KIB, 2 * KIB, 4 * KIB, 3328, 256)
+    assert interval(a, g, "c") == (2, 4)
+    assert interval(a, g, "b") == (3, 4)
+    assert a.timeline.live_bytes == (0, 1 * KIB, 3 * KIB, 4 * KIB, 3328, 256)
     assert a.predicted_peak_bytes == 4 * KIB and a.peak_step == 3
     # Largest single-op working set: d reads b (1 KiB) and c (2 KiB), writes 256 B.
     assert a.lower_bound_bytes == 3328 and a.lower_bound_step == 4
@@ -281,7 +281,7 @@ def test_each_device_of_a_two_device_graph_gets_its_own_peak():
     """x (an argument: not the step's memory) feeds a on CPU:0 and b -> c on
     CPU:1. CPU:1's allocator holds b and c together (3 KiB at c's step);
     CPU:0's holds a, then a with d (1.25 KiB); the two together peak at
-    4 KiB when c runs while a is alive."""
+    3.25 KiB when d runs (a, c and d), below the sum of the two peaks."""
     d0, d1 = "/device:CPU:0", "/device:CPU:1"
     g = (GraphBuilder().arg("x", device=d0)
          .op("MaxPool", "a", ["x"], device=d0)
@@ -295,7 +295,7 @@ def test_each_device_of_a_two_device_graph_gets_its_own_peak():
     assert set(a.device_peak_bytes) == {d0, d1}
     assert a.device_peak_bytes[d1] == 3 * KIB
     assert a.device_peak_bytes[d0] == 1280
-    assert a.predicted_peak_bytes == 4 * KIB
+    assert a.predicted_peak_bytes == 3328
     assert analyze(chain(), CHAIN_PROPS).device_peak_bytes == {}
 
 
@@ -316,3 +316,46 @@ def test_a_budget_applies_to_each_gpu_or_to_the_shared_cpu_allocator(kind):
     expected = 4 * KIB if kind == "GPU" else 8 * KIB
     assert a.budget_peak_bytes == expected and max(a.budget_timeline) == expected
     assert 4 * KIB < a.predicted_peak_bytes < 8 * KIB      # the merged timeline
+
+
+def _check_schedule():
+    """tools/check_schedule.py as a module (its flags are defined on import)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "tools", "check_schedule.py")
+    spec = importlib.util.spec_from_file_location("check_schedule", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_order_agreement_counts_pairs_run_back_to_back():
+    """The diamond of the test above runs x, a, c, b, d, ret; an executed
+    order that swaps b and c keeps 2 of its 5 pairs back to back."""
+    g = (GraphBuilder().arg("x").op("MaxPool", "a", ["x"])
+         .op("MaxPool", "b", ["a"]).op("MaxPool", "c", ["a"])
+         .op("MatMul", "d", ["b", "c"]).retval("ret", "d").build())
+    agreement = _check_schedule().order_agreement
+    same = agreement(g, ["x", "a", "c", "b", "d", "ret", "ExecutorState"])
+    assert same == {"ops": 6, "in_order": 1.0, "in_order_no_reads": 1.0}
+    swapped = agreement(g, ["x", "a", "b", "c", "d", "ret"])
+    assert swapped["in_order"] == 0.4
+
+
+@pytest.mark.slow
+def test_predicted_schedule_matches_the_executor(fresh_python):
+    """The executor's op order, from TensorFlow's profiler, against the
+    predicted schedule, on a recomputed ResNet (branches, clones and their
+    control edges): at least 95% of consecutive ops run back to back as
+    predicted, ReadVariableOps aside (measured: 99%; the order this
+    replaced matched 62-66%)."""
+    import os
+
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "tools", "check_schedule.py")
+    result = fresh_python(args=[tool, "--family", "resnet", "--policy", "recompute",
+                                "--mode", "speed", "--batch", "8"]).result()
+    assert result["ops"] > 1000
+    assert result["in_order_no_reads"] >= 0.95, result
