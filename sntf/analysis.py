@@ -257,7 +257,7 @@ INEXPENSIVE_OPS = frozenset({
 })
 
 
-def schedule(g: graph.GraphIndex) -> tuple[int, ...]:
+def schedule(g: graph.GraphIndex, consumers_last_first: bool = False) -> tuple[int, ...]:
     """The order TensorFlow's executor runs a step, with one inter-op thread.
 
     Emulates ExecutorState::ScheduleReady on a one-thread pool. A completed
@@ -280,6 +280,10 @@ def schedule(g: graph.GraphIndex) -> tuple[int, ...]:
 
     Args:
       g: the graph index.
+      consumers_last_first: take each node's data consumers last-added
+        first instead (not the executor's order; the recompute planner
+        also tries release points picked on it, see
+        sntf.pipeline._lowest_recompute).
 
     Returns:
       Node indices in execution order (all nodes; cycles broken in index order).
@@ -302,8 +306,10 @@ def schedule(g: graph.GraphIndex) -> tuple[int, ...]:
             current, deferred = None, []
             # Data consumers in graph order, then control consumers: the
             # order of the executor's out-edge lists.
-            for c in [c for c, _, _ in g.consumers[i]] + list(
-                    g.control_consumers[i]):
+            data = [c for c, _, _ in g.consumers[i]]
+            if consumers_last_first:
+                data.reverse()
+            for c in data + list(g.control_consumers[i]):
                 pending[c] -= 1
                 if pending[c] != 0:
                     continue

@@ -353,8 +353,10 @@ def _stage_plan(kind: str, graph_def, index: graph.GraphIndex, facts, props,
     if kind == "recompute":
         if state.options.recompute_mode == "auto":
             return _auto_recompute(graph_def, index, facts, props, _protected(index))
-        plan = planner.plan_recompute(index, facts, state.options.recompute_mode,
-                                      _protected(index))
+        if state.options.recompute_mode == "memory":
+            return _memory_recompute(graph_def, index, facts, props, _protected(index))
+        return _lowest_recompute(graph_def, index, facts, props, "speed",
+                                 _protected(index))
     else:
         plan = _swap_plan(index, facts, props, state, cache_budget)
     return plan, _planned(plan, graph_def, index, props, facts.batch)
@@ -373,8 +375,8 @@ def _auto_recompute(graph_def, index: graph.GraphIndex, facts, props,
     Returns:
       (plan, _Planned of the plan or None), as _stage_plan.
     """
-    speed = planner.plan_recompute(index, facts, "speed", protected)
-    planned = _planned(speed, graph_def, index, props, facts.batch)
+    speed, planned = _lowest_recompute(graph_def, index, facts, props, "speed",
+                                       protected)
     if planned is None:
         # Keep the planner's own reason ("control flow present: not
         # recomputed"); its count note ("recompute (speed): 0 tensor(s)") is not one.
@@ -391,14 +393,72 @@ def _auto_recompute(graph_def, index: graph.GraphIndex, facts, props,
                                if any(node in at_peak for node in r.chain))
     note = f"recompute (auto): {len(speed.recomputes)} tensor(s), speed-centric"
     if memory_tensors:
-        mixed = planner.plan_recompute(index, facts, "speed", protected, memory_tensors)
-        mixed_planned = _planned(mixed, graph_def, index, props, facts.batch)
+        mixed, mixed_planned = _lowest_recompute(graph_def, index, facts, props,
+                                                 "speed", protected, memory_tensors)
         if (mixed_planned is not None and mixed_planned.facts.budget_peak_bytes
                 < planned.facts.budget_peak_bytes):
             note += (f", {len(memory_tensors)} live at the planned peak made "
                      "memory-centric")
             return dataclasses.replace(mixed, notes=(note,)), mixed_planned
     return dataclasses.replace(speed, notes=(note,)), planned
+
+
+def _lowest_recompute(graph_def, index: graph.GraphIndex, facts, props, mode: str,
+                      protected: frozenset, memory_tensors: frozenset = frozenset()):
+    """The recompute plan of `mode` whose planned peak is lower, of two.
+
+    Where a clone is released decides how long it and the gradients its
+    readers wait on stay alive, and the executor's pool (which runs the
+    most recently deferred op first) makes the best release point hard to
+    pick locally. The planner picks them on the predicted executor order,
+    and again on the order that takes each node's consumers last first;
+    both plans are analyzed and the lower planned peak is kept. (Measured:
+    on a 178-layer ResNet the first plan's peak is 151.5 MiB, the second's
+    125.6; on DenseNet the first is lower.)
+
+    Returns:
+      (plan, _Planned of the plan or None when it changes nothing).
+    """
+    best = None
+    for order in (None, analysis.schedule(index, consumers_last_first=True)):
+        plan = planner.plan_recompute(index, facts, mode, protected, memory_tensors,
+                                      order=order)
+        planned = _planned(plan, graph_def, index, props, facts.batch)
+        if best is None or (planned is not None and (
+                best[1] is None
+                or planned.facts.budget_peak_bytes < best[1].facts.budget_peak_bytes)):
+            best = (plan, planned)
+    return best
+
+
+def _memory_recompute(graph_def, index: graph.GraphIndex, facts, props,
+                      protected: frozenset):
+    """Memory-centric recomputation, never planned above speed-centric.
+
+    One recomputation per backward reader frees each clone right after its
+    reader, but the readers' clones may then overlap a large scratch buffer
+    that one shared clone would not (measured: VGG's memory-centric plan
+    had fewer live bytes at its peak than the speed-centric one, and a
+    higher peak in the allocator's terms). When the speed-centric plan's
+    planned peak is lower, it is the one applied, with a note.
+
+    Returns:
+      (plan, _Planned of the plan or None), as _stage_plan.
+    """
+    memory, planned = _lowest_recompute(graph_def, index, facts, props, "memory",
+                                        protected)
+    if planned is None:
+        return memory, None
+    speed, speed_planned = _lowest_recompute(graph_def, index, facts, props, "speed",
+                                             protected)
+    if (speed_planned is not None and speed_planned.facts.budget_peak_bytes
+            < planned.facts.budget_peak_bytes):
+        note = (f"recompute (memory): {len(speed.recomputes)} tensor(s), "
+                f"speed-centric: its planned peak "
+                f"({speed_planned.facts.budget_peak_bytes} bytes) is below the "
+                f"memory-centric one ({planned.facts.budget_peak_bytes} bytes)")
+        return dataclasses.replace(speed, notes=(note, *speed.notes[1:])), speed_planned
+    return memory, planned
 
 
 STAGES = {"recompute": ("recompute",), "swap": ("swap",),
@@ -583,7 +643,8 @@ def budget_search(graph_def, index: graph.GraphIndex, facts, props,
       (and keeps each result in selections.results).
     """
     mode = "memory" if state.options.recompute_mode == "memory" else "speed"
-    recompute = planner.plan_recompute(index, facts, mode, _protected(index))
+    recompute, _ = _lowest_recompute(graph_def, index, facts, props, mode,
+                                     _protected(index))
     swaps = _swap_plan(index, facts, props, state, budget)
     options = budget_options(index, facts, recompute, swaps)
     return options, _Selections(graph_def, index, facts, props, state, recompute,

@@ -130,7 +130,8 @@ class Recompute:
 
 
 def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
-                   memory_tensors: frozenset = frozenset()) -> Plan:
+                   memory_tensors: frozenset = frozenset(),
+                   order: Optional[tuple] = None) -> Plan:
     """Superneurons' cost-aware recomputation of cheap forward tensors.
 
     A cheap forward tensor (activation, normalization, pooling, dropout...)
@@ -147,6 +148,8 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
       protected: node indices that must not be recomputed (fetch, preserve).
       memory_tensors: "node:port" names planned memory-centric whatever the
         mode (the pipeline's auto mode chooses them from a planned timeline).
+      order: the node order readers are sorted by and release points picked
+        on; None: facts.schedule, the predicted executor order.
 
     Returns:
       A Plan with one RECOMPUTE decision and one Recompute recipe per tensor.
@@ -159,7 +162,8 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
     if graph_model.loop_ops(g):
         return identity_plan("recompute", "control flow present (a loop): "
                              "not recomputed")
-    step_of = {node: s for s, node in enumerate(facts.schedule)}
+    cost_step = {node: s for s, node in enumerate(facts.schedule)}   # op_seconds
+    step_of = {node: s for s, node in enumerate(order)} if order else cost_step
     phases = facts.phases
     region = graph_model.control_flow_region(g)
 
@@ -200,7 +204,7 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
                 continue
             recipe = Recompute(tensor=name, chain=tuple(g.names[i] for i in chain),
                                groups=tuple(groups))
-            seconds = sum(facts.op_seconds[step_of[i]] for i in chain) * len(groups)
+            seconds = sum(facts.op_seconds[cost_step[i]] for i in chain) * len(groups)
             decision = Decision(
                 tensor=name, action=RECOMPUTE,
                 reason=(f"cheap {g.ops[producer]} output read by {len(readers)} "

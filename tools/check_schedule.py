@@ -37,11 +37,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("family", "vgg", "model family (sntf.models.FAMILIES)")
-flags.DEFINE_integer("depth", None, "model depth (family default when unset)")
-flags.DEFINE_integer("batch", 32, "batch size")
-flags.DEFINE_string("policy", "none", "'none' (sntf not enabled) or an sntf policy")
-flags.DEFINE_string("mode", "auto", "recompute mode, for recomputing policies")
+
+
+def _define_flags() -> None:
+    """Command-line flags, defined only when run as a script: the tests
+    import order_agreement next to other tools' flags of the same names."""
+    flags.DEFINE_string("family", "vgg", "model family (sntf.models.FAMILIES)")
+    flags.DEFINE_integer("depth", None, "model depth (family default when unset)")
+    flags.DEFINE_integer("batch", 32, "batch size")
+    flags.DEFINE_string("policy", "none", "'none' (sntf not enabled) or an sntf policy")
+    flags.DEFINE_string("mode", "auto", "recompute mode, for recomputing policies")
 
 # Ops that allocate nothing and run wherever they become ready.
 _READS = frozenset({"ReadVariableOp"})
@@ -146,4 +151,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
