@@ -681,10 +681,12 @@ def _fit_budget(graph_def, index: graph.GraphIndex, facts, props,
     """
     from sntf import budget as budget_planner
 
-    # The plan must fit under the budget less the analysis' error margin and
-    # less what the device already holds outside this graph.
+    # The plan must fit under the budget less the analysis' error margin,
+    # less what the device already holds outside this graph and less the
+    # allocator's slack for the largest scratch buffer.
     outside = report.get("outside_bytes") or 0
-    target = int(budget * (1.0 - state.options.budget_margin)) - outside
+    slack = allocator_slack(facts)
+    target = int(budget * (1.0 - state.options.budget_margin)) - outside - slack
     with _timed(report, "plan_auto"):
         options, selections = budget_search(graph_def, index, facts, props, state,
                                             budget)
@@ -697,7 +699,7 @@ def _fit_budget(graph_def, index: graph.GraphIndex, facts, props,
               for a in (planner.RECOMPUTE, planner.SWAP)}
     note = (f"auto: budget {budget} bytes (plan target {target} bytes: margin "
             f"{state.options.budget_margin:g}, {outside} bytes held outside the "
-            "graph), predicted peak "
+            f"graph, {slack} bytes of allocator slack), predicted peak "
             f"{facts.budget_peak_bytes} -> planned {choice.peak} bytes with "
             f"{counts[planner.RECOMPUTE]} buffer(s) recomputed and "
             f"{counts[planner.SWAP]} swapped of {len(options)} option(s), "
@@ -724,11 +726,32 @@ def _fit_budget(graph_def, index: graph.GraphIndex, facts, props,
     if planned is not None and planned.graph_def is not graph_def:
         rewritten = planned.graph_def
         if plan.swaps:
-            rewritten = _cache_thresholds(rewritten, planned.facts, budget, outside)
+            rewritten = _cache_thresholds(rewritten, planned.facts, budget,
+                                          outside + slack)
             plan = dataclasses.replace(plan, notes=plan.notes + (
-                _cache_note(planned.facts, budget, outside),))
+                _cache_note(planned.facts, budget, outside + slack),))
         return plan, rewrite.RewriteResult(graph_def=rewritten, modified=True), planned.facts
     return plan, rewrite.RewriteResult(graph_def=graph_def, modified=False), None
+
+
+def allocator_slack(facts) -> int:
+    """Headroom a budget plan leaves for the allocator's rounding: the
+    largest scratch buffer's bytes.
+
+    TensorFlow's BFC allocator serves a request from the best-fitting free
+    chunk and splits it only when it is at least twice the request, so a
+    request may take up to twice its bytes; which chunk it gets depends on
+    the allocator's history, which the pass cannot see (its model replays
+    one step from an empty allocator). Measured: the main example's CNN, in
+    its first step, served a 27 MiB conv filter-gradient scratch buffer from
+    a 52 MiB chunk (the process peaked 26 MiB above every later step); the
+    im2col scratch of convolution backprops is the largest single request
+    in such graphs.
+    """
+    from sntf import analysis
+
+    return max((n for b, n in facts.tensor_bytes.items()
+                if b[1] == analysis.SCRATCH_PORT), default=0)
 
 
 _warned: set = set()

@@ -387,3 +387,50 @@ def test_greedy_against_exact_over_random_networks():
     within = sum(r <= 1.10 + 1e-9 for r in ratios) / len(ratios)
     assert within >= 0.97, sorted(ratios)[-10:]
     assert max(ratios) <= 2.0, (within, sorted(ratios)[-10:])
+
+
+def _conv_step():
+    """graphs.conv_train with shapes: 8 images of 32x32x3, a 3x3x3x16 filter."""
+    import graphs
+
+    g = graphs.conv_train()
+    idx = G.build_index(g)
+    shapes = {"images": (8, 32, 32, 3), graphs.CONV_FILTER_HANDLE: (),
+              "conv2d/Conv2D/ReadVariableOp": (3, 3, 3, 16),
+              "conv2d/Conv2D": (8, 32, 32, 16), "loss/Square": (8, 32, 32, 16),
+              "gradient_tape/loss/Square/Mul": (8, 32, 32, 16),
+              graphs.CONV_FILTER_GRAD: (3, 3, 3, 16), "SGD/Mul": (3, 3, 3, 16)}
+    props = {}
+    for name, op in zip(idx.names, idx.ops):
+        if op in ("_Retval", "AssignSubVariableOp"):
+            props[name] = []
+        elif name == graphs.CONV_FILTER_HANDLE:
+            props[name] = [(DT_RESOURCE, ())]
+        elif op == "Shape" or name == "loss/Const":
+            props[name] = [(DT_INT32, (4,))]
+        else:
+            props[name] = [(DT_FLOAT, shapes.get(name, ()))]
+    return g, props
+
+
+def test_budget_plans_leave_the_largest_scratch_buffer_as_slack():
+    """BFC may serve a request from a chunk up to twice its size, depending
+    on history the pass cannot see: the plan target leaves the largest
+    scratch buffer's bytes (here the filter gradient's im2col buffer)."""
+    g, props = _conv_step()
+    idx = G.build_index(g, ["loss_retval"])
+    facts = analysis.analyze(idx, props)
+    scratch = [n for b, n in facts.tensor_bytes.items() if b[1] == analysis.SCRATCH_PORT]
+    slack = pipeline.allocator_slack(facts)
+    assert slack == max(scratch) > 0
+    mlp_graph, mlp_props = mlp_step()
+    mlp_facts = analysis.analyze(G.build_index(mlp_graph, ["ret"]), mlp_props)
+    assert pipeline.allocator_slack(mlp_facts) == 0
+    budget_bytes = 4 * facts.predicted_peak_bytes
+    state = config.State(enabled=True, policy="auto",
+                         budget=config.Budget(bytes=budget_bytes), options=STATE.options)
+    report = pipeline.run_pass(g.SerializeToString(), ["loss_retval"], [], state,
+                               properties_fn(props)).report
+    target = int(budget_bytes * (1 - STATE.options.budget_margin)) - slack
+    assert f"plan target {target} bytes" in report["reason"], report["reason"]
+    assert f"{slack} bytes of allocator slack" in report["reason"]
