@@ -233,20 +233,23 @@ def test_mirrored_strategy_rewrites_every_replica_identically(
         _assert_placement_clean(placement, policy)
         # ... and each replica's part of it was rewritten on its own device.
         assert sorted(placement["sntf_nodes"]) == sorted(devices), placement
+        # swap+recompute applies swapping alone where that plans lower, and
+        # says so in the report.
+        assert report["recomputed"] or "alone applied" in report["reason"], report
         for device, roles in placement["sntf_nodes"].items():
-            assert roles.get("recompute", 0) > 0, (device, roles)
+            if report["recomputed"]:
+                assert roles.get("recompute", 0) > 0, (device, roles)
             if policy == "swap+recompute":
                 assert roles.get("swap_out", 0) > 0 and roles.get("swap_in", 0) > 0, \
                     (device, roles)
         assert report["swapped"] or policy == "recompute"
-        assert report["recomputed"]
         # The report says the same per device: each replica's own peaks,
         # planned below predicted, and the tensors rewritten there.
         per_device = report["per_device"]
         assert sorted(per_device) == sorted(devices), per_device
         for device, figures in per_device.items():
-            assert figures["recomputed"] and set(figures["recomputed"]) <= set(
-                report["recomputed"]), (device, figures)
+            assert bool(figures["recomputed"]) == bool(report["recomputed"]), figures
+            assert set(figures["recomputed"]) <= set(report["recomputed"]), figures
             assert bool(figures["swapped"]) == (policy == "swap+recompute"), figures
             assert 0 < figures["planned_peak_bytes"] < figures["predicted_peak_bytes"] \
                 < report["predicted_peak_bytes"], (device, figures)
@@ -329,5 +332,6 @@ def test_multi_worker_mirrored_strategy_is_rewritten_and_identical(tmp_path):
             _assert_placement_clean(placement, f"worker {i}")
             assert sorted(placement["sntf_nodes"]) == report["devices"]
             roles = placement["sntf_nodes"][report["devices"][0]]
-            assert roles.get("swap_out", 0) > 0 and roles.get("recompute", 0) > 0, \
-                report["reason"]
+            assert roles.get("swap_out", 0) > 0, report["reason"]
+            assert (roles.get("recompute", 0) > 0
+                    or "alone applied" in report["reason"]), report["reason"]
