@@ -436,10 +436,10 @@ def _memory_recompute(graph_def, index: graph.GraphIndex, facts, props,
     """Memory-centric recomputation, never planned above speed-centric.
 
     One recomputation per backward reader frees each clone right after its
-    reader, but the readers' clones may then overlap a large scratch buffer
-    that one shared clone would not (measured: VGG's memory-centric plan
-    had fewer live bytes at its peak than the speed-centric one, and a
-    higher peak in the allocator's terms). When the speed-centric plan's
+    reader, yet its planned peak can still come out higher (measured: VGG's
+    memory-centric plan had fewer live bytes at its peak than the
+    speed-centric one, and a higher peak in the allocator model's terms,
+    where a 22.5 MiB scratch buffer lands). When the speed-centric plan's
     planned peak is lower, it is the one applied, with a note.
 
     Returns:
