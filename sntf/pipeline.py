@@ -419,16 +419,15 @@ def _lowest_recompute(graph_def, index: graph.GraphIndex, facts, props, mode: st
     Returns:
       (plan, _Planned of the plan or None when it changes nothing).
     """
-    best = None
+    candidates = []
     for order in (None, analysis.schedule(index, consumers_last_first=True)):
         plan = planner.plan_recompute(index, facts, mode, protected, memory_tensors,
                                       order=order)
-        planned = _planned(plan, graph_def, index, props, facts.batch)
-        if best is None or (planned is not None and (
-                best[1] is None
-                or planned.facts.budget_peak_bytes < best[1].facts.budget_peak_bytes)):
-            best = (plan, planned)
-    return best
+        candidates.append((plan, _planned(plan, graph_def, index, props, facts.batch)))
+    changed = [c for c in candidates if c[1] is not None]
+    if not changed:
+        return candidates[0]
+    return min(changed, key=lambda c: c[1].facts.budget_peak_bytes)
 
 
 def _memory_recompute(graph_def, index: graph.GraphIndex, facts, props,

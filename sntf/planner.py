@@ -312,6 +312,9 @@ def _groups(g, readers, mode, step_of, facts) -> list:
         # one of them. A reader without such an input is not served.
         c, slot = batch[0]
         device = g.devices[g.data_inputs[c][slot][0]]
+        # No compute to cover (0.0): the ancestor's op_seconds, looked up by
+        # step_of, are never read, so step_of may be another order than
+        # facts.schedule (plan_recompute's `order`).
         trigger = gradient_ancestor(g, facts, step_of, c, 0.0, device)
         if trigger is None:
             return []

@@ -1,6 +1,8 @@
 """Recomputation: plan and rewrite on a hand-built step; bit-identical training
 with every mode on the six model families (fresh processes)."""
 
+import dataclasses
+
 import pytest
 
 from conftest import train_family
@@ -266,23 +268,50 @@ def test_auto_mode_plans_on_the_planned_timeline():
     assert "plan_recompute" in report["stage_seconds"]
 
 
-def test_the_lower_of_two_release_orders_is_kept():
+def test_the_lower_of_two_release_orders_is_kept(monkeypatch):
     """Release points picked on the executor order and on the order with
-    consumers last first: the pipeline keeps the plan planned lower."""
+    consumers last first: the pipeline keeps the plan planned lower, and a
+    plan that changes nothing only when neither changes anything."""
     g = pool_step()
     idx = G.build_index(g, ["ret"])
     props = _props(g)
     facts = analysis.analyze(idx, props)
-    peaks = []
-    for order in (None, analysis.schedule(idx, consumers_last_first=True)):
-        plan = planner.plan_recompute(idx, facts, "speed", frozenset(idx.fetch),
-                                      order=order)
-        peaks.append(pipeline._planned(plan, g, idx, props, facts.batch)
-                     .facts.budget_peak_bytes)
-    plan, planned = pipeline._lowest_recompute(g, idx, facts, props, "speed",
-                                               frozenset(idx.fetch))
-    assert [r.tensor for r in plan.recomputes] == ["p:0"]
-    assert planned.facts.budget_peak_bytes == min(peaks)
+    real = pipeline._planned(planner.plan_recompute(idx, facts, "speed",
+                                                    frozenset(idx.fetch)),
+                             g, idx, props, facts.batch)
+    orders = []
+
+    def plan_recompute(index, facts, mode, protected, memory_tensors, order=None):
+        orders.append(order)
+        return planner.Plan(policy="recompute", notes=(f"order {len(orders)}",))
+
+    def with_peaks(*peaks):
+        """_planned giving each call's plan the next peak (None: no change)."""
+        it = iter(peaks)
+
+        def planned(plan, *args):
+            peak = next(it)
+            if peak is None:
+                return None
+            facts_ = dataclasses.replace(real.facts, device_timelines={},
+                                         predicted_peak_bytes=peak)
+            return dataclasses.replace(real, facts=facts_)
+        return planned
+
+    monkeypatch.setattr(pipeline.planner, "plan_recompute", plan_recompute)
+    for peaks, chosen in (((200, 100), "order 2"), ((100, 200), "order 1"),
+                          ((100, 100), "order 1"), ((None, 300), "order 2"),
+                          ((300, None), "order 1"), ((None, None), "order 1")):
+        orders.clear()
+        monkeypatch.setattr(pipeline, "_planned", with_peaks(*peaks))
+        plan, planned = pipeline._lowest_recompute(g, idx, facts, props, "speed",
+                                                   frozenset(idx.fetch))
+        assert plan.notes == (chosen,), (peaks, plan.notes)
+        assert orders[0] is None
+        assert orders[1] == analysis.schedule(idx, consumers_last_first=True)
+        expected = peaks[int(chosen[-1]) - 1]
+        assert (planned is None if expected is None
+                else planned.facts.budget_peak_bytes == expected), peaks
 
 
 @pytest.mark.slow

@@ -48,6 +48,7 @@ def _define_flags() -> None:
     flags.DEFINE_string("policy", "none", "'none' (sntf not enabled) or an sntf policy")
     flags.DEFINE_string("mode", "auto", "recompute mode, for recomputing policies")
 
+
 # Ops that allocate nothing and run wherever they become ready.
 _READS = frozenset({"ReadVariableOp"})
 
