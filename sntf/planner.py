@@ -48,6 +48,7 @@ class Plan:
     # SnCacheOut/SnCacheIn and copy only under memory pressure. None: every
     # swap copies (SnSwapOut/SnSwapIn).
     cache_budget: Optional[int] = None
+    orders: tuple = ()               # Order edges (plan_gradient_order)
 
     def tensors(self, action: str) -> list[str]:
         """Tensors given `action`, in decision order."""
@@ -94,6 +95,9 @@ RECOMPUTE_MODES = ("speed", "memory")
 # Longest chain of cheap ops re-run to rebuild one tensor: recompute chains
 # stop at checkpoints and never run back through a long residual chain.
 MAX_RECOMPUTE_CHAIN = 8
+# The same, when checkpoint ops are re-run too (segment_checkpoints): a
+# segment of two convolutions with their normalizations and activations.
+MAX_SEGMENT_CHAIN = 48
 # Ops never re-run, whatever their class: reading a variable again could see
 # a newer value; inputs, constants and handles are free to keep.
 NEVER_RECOMPUTE_OPS = frozenset({
@@ -131,7 +135,8 @@ class Recompute:
 
 def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
                    memory_tensors: frozenset = frozenset(),
-                   order: Optional[tuple] = None) -> Plan:
+                   order: Optional[tuple] = None,
+                   segment_checkpoints: int = 0) -> Plan:
     """Superneurons' cost-aware recomputation of cheap forward tensors.
 
     A cheap forward tensor (activation, normalization, pooling, dropout...)
@@ -150,6 +155,10 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
         mode (the pipeline's auto mode chooses them from a planned timeline).
       order: the node order readers are sorted by and release points picked
         on; None: facts.schedule, the predicted executor order.
+      segment_checkpoints: 0 keeps every checkpoint op's output (the
+        paper's rule). N > 0 also re-runs checkpoint ops (convolutions,
+        matmuls) in chains of up to N of them, keeping only the inputs of
+        each chain (see _segment_inputs).
 
     Returns:
       A Plan with one RECOMPUTE decision and one Recompute recipe per tensor.
@@ -167,32 +176,46 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
     phases = facts.phases
     region = graph_model.control_flow_region(g)
 
+    classes = (analysis.CHEAP, analysis.CHECKPOINT) if segment_checkpoints else (
+        analysis.CHEAP,)
+
     def recomputable(i: int) -> bool:
         return (phases[i] == graph_model.FORWARD and i not in protected
                 and i not in region
                 and g.ops[i] not in NEVER_RECOMPUTE_OPS
-                and analysis.op_class(g.ops[i]) == analysis.CHEAP
+                and analysis.op_class(g.ops[i]) in classes
                 and not graph_model.is_update_op(g.ops[i]))
 
-    # Tensors the backward pass reads stay alive until then anyway: a chain
-    # starts from them rather than re-running what produced them.
-    read_by_backward = {i for i in range(len(g.names))
-                        if any(phases[c] == graph_model.BACKWARD
-                               for c, _, _ in g.consumers[i])}
+    if segment_checkpoints:
+        # Chains start from the kept segment inputs and rebuild everything
+        # between them, the tensors the backward pass reads included.
+        kept = _segment_inputs(g, facts, recomputable, segment_checkpoints)
+        max_chain = MAX_SEGMENT_CHAIN
+    else:
+        # Tensors the backward pass reads stay alive until then anyway: a
+        # chain starts from them rather than re-running what produced them.
+        kept = {i for i in range(len(g.names))
+                if any(phases[c] == graph_model.BACKWARD for c, _, _ in g.consumers[i])}
+        max_chain = MAX_RECOMPUTE_CHAIN
     candidates = []       # (buffer, tensor name, Recompute, Decision)
     for producer in facts.schedule:
-        if not recomputable(producer) or g.ops[producer] in analysis.ALIAS_OPS:
+        if (not recomputable(producer) or g.ops[producer] in analysis.ALIAS_OPS
+                or (segment_checkpoints and producer in kept)):
             continue
         for port in sorted({p for _, _, p in g.consumers[producer]}):
             t = (producer, port)
             buffer = facts.buffer_of(t)
             if buffer is None:
                 continue
+            # Readers of the shape alone keep the original (as in plan_swap):
+            # they run as soon as it exists, and a clone's release point
+            # cannot be found for them.
             readers = [(c, slot) for c, slot, p in g.consumers[producer]
-                       if p == port and phases[c] == graph_model.BACKWARD]
+                       if p == port and phases[c] == graph_model.BACKWARD
+                       and g.ops[c] not in METADATA_OPS]
             if not readers or _read_under_control_flow(g, t, region):
                 continue
-            chain = _chain(g, producer, recomputable, read_by_backward)
+            chain = _chain(g, producer, recomputable, kept, max_chain)
             if chain is None:
                 continue
             chain = sorted(chain, key=step_of.get)
@@ -217,6 +240,73 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
              *_control_flow_note(region))
     return Plan(policy="recompute", decisions=tuple(decisions), notes=notes,
                 recomputes=tuple(recipes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Order:
+    """A control edge: node `after` waits for node `before` (names)."""
+
+    before: str
+    after: str
+
+
+# Weight-gradient ops and the input slot of the output gradient they read.
+WEIGHT_GRADIENT_OPS = {"Conv2DBackpropFilter": 2, "Conv2DBackpropFilterV2": 2,
+                       "DepthwiseConv2dNativeBackpropFilter": 2,
+                       "Conv3DBackpropFilterV2": 2}
+
+
+def plan_gradient_order(g) -> tuple:
+    """Control edges that run each layer's weight gradient before the other
+    readers of its output gradient.
+
+    A convolution's output gradient is read by the filter gradient and by
+    the input gradient. TensorFlow's executor runs one of the two ready
+    expensive ops inline and defers the other to its pool, which runs the
+    most recently deferred op first: the input gradient's chain goes on
+    down the network while every deferred filter gradient keeps its output
+    gradient (and its forward input, or that input's recomputation) alive
+    until the chain ends. Waiting for the filter gradient frees both a layer
+    later. Values are unchanged; only the order is.
+
+    Args:
+      g: the graph index.
+
+    Returns:
+      Order edges (filter gradient -> other reader of its output gradient),
+      none that would close a cycle or cross devices.
+    """
+    position = {node: k for k, node in enumerate(g.topo)}
+    orders = []
+    for w, op in enumerate(g.ops):
+        if op not in WEIGHT_GRADIENT_OPS or len(g.data_inputs[w]) <= WEIGHT_GRADIENT_OPS[op]:
+            continue
+        producer, port = g.data_inputs[w][WEIGHT_GRADIENT_OPS[op]]
+        readers = [c for c, _, p in g.consumers[producer]
+                   if p == port and c != w and g.devices[c] == g.devices[w]
+                   and g.ops[c] not in METADATA_OPS and w not in g.control_inputs[c]]
+        if not readers:
+            continue
+        # A reader upstream of w (through a clone's release edge, say) must
+        # not wait for it. Such a path runs from the gradient's producer
+        # through the reader to w, so only nodes after the producer count.
+        upstream = _ancestors_after(g, w, position[producer], position)
+        orders += [Order(before=g.names[w], after=g.names[c])
+                   for c in sorted(set(readers)) if c not in upstream]
+    return tuple(orders)
+
+
+def _ancestors_after(g, node: int, floor: int, position: dict) -> set:
+    """Ancestors of `node` (data and control) placed after topological
+    position `floor`."""
+    seen, stack = {node}, [node]
+    while stack:
+        i = stack.pop()
+        for p in [p for p, _ in g.data_inputs[i]] + list(g.control_inputs[i]):
+            if p not in seen and position.get(p, -1) > floor:
+                seen.add(p)
+                stack.append(p)
+    return seen
 
 
 def _read_under_control_flow(g, tensor: tuple, region: frozenset) -> bool:
@@ -275,21 +365,58 @@ def _chain_input_buffers(g, facts, recipe) -> set:
             for p, port in g.data_inputs[i] if p not in members}
 
 
-def _chain(g, producer: int, recomputable, kept: set) -> Optional[list]:
-    """The cheap nodes to re-run for `producer` (on its device: clones run
-    where their originals did), or None if the chain is too long."""
+def _chain(g, producer: int, recomputable, kept: set,
+           max_chain: int = MAX_RECOMPUTE_CHAIN) -> Optional[list]:
+    """The nodes to re-run for `producer` (on its device: clones run where
+    their originals did), or None if the chain is too long."""
     chain, stack = {producer}, [producer]
     while stack:
         node = stack.pop()
         for p, _ in g.data_inputs[node]:
-            if (p in chain or p in kept or not recomputable(p)
-                    or g.ops[p] in _VIEW_OPS or g.devices[p] != g.devices[producer]):
+            if p in chain or p in kept or not _walkable(g, p, producer, recomputable):
                 continue
             chain.add(p)
-            if len(chain) > MAX_RECOMPUTE_CHAIN:
+            if len(chain) > max_chain:
                 return None
             stack.append(p)
     return list(chain)
+
+
+def _walkable(g, p: int, node: int, recomputable) -> bool:
+    """Whether a chain that re-runs `node` may re-run its input `p` too."""
+    return (recomputable(p) and g.ops[p] not in _VIEW_OPS
+            and g.devices[p] == g.devices[node])
+
+
+def _segment_inputs(g, facts, recomputable, per_segment: int) -> set:
+    """The nodes whose outputs are kept when checkpoint ops are recomputed.
+
+    Walking the forward pass in schedule order, each recomputable node
+    gets the chain that would rebuild it from kept tensors. A node whose
+    chain would hold more than `per_segment` checkpoint ops (convolutions,
+    matmuls) or more than MAX_SEGMENT_CHAIN nodes keeps its own inputs
+    instead, which starts a new segment there: a ResNet block's input (the
+    chain of a block's first convolution would otherwise run back along the
+    shortcut into the blocks before), every few layers of a VGG chain. What
+    no chain may re-run (variables, concatenations, pools, other devices)
+    is kept anyway.
+    """
+    from sntf import analysis
+
+    chains, kept = {}, set()
+    for node in facts.schedule:
+        if not recomputable(node):
+            continue
+        inputs = [p for p, _ in g.data_inputs[node]
+                  if p in chains and p not in kept and _walkable(g, p, node, recomputable)]
+        chain = frozenset({node}).union(*(chains[p] for p in inputs))
+        checkpoints = sum(analysis.op_class(g.ops[i]) == analysis.CHECKPOINT
+                          for i in chain)
+        if checkpoints > per_segment or len(chain) > MAX_SEGMENT_CHAIN:
+            kept.update(inputs)
+            chain = frozenset({node})
+        chains[node] = chain
+    return kept
 
 
 _VIEW_OPS = frozenset({"Reshape", "ExpandDims", "Squeeze", "Snapshot"})

@@ -48,7 +48,10 @@ def apply_plan(graph_def, plan: planner.Plan) -> RewriteResult:
         groups += len(recipe.groups)
     for recipe in plan.swaps:
         _apply_swap(out, nodes, recipe, plan.cache_budget)
-    return RewriteResult(graph_def=out, modified=bool(plan.recomputes or plan.swaps))
+    for order in plan.orders:
+        _add_control_input(_node(nodes, order.after), _node(nodes, order.before))
+    return RewriteResult(graph_def=out,
+                         modified=bool(plan.recomputes or plan.swaps or plan.orders))
 
 
 def _check_device(node, trigger, tensor: str) -> None:
@@ -159,6 +162,13 @@ def _apply_recompute(out, nodes: dict, recipe: planner.Recompute, first: int) ->
             clones[name] = clone.name
         for consumer, slot in group.consumers:
             _set_data_input(_node(nodes, consumer), slot, f"{clones[producer]}:{port}")
+
+
+def _add_control_input(node, before) -> None:
+    """Makes `node` wait for `before` (once, on the same device only)."""
+    _check_device(node, before, node.name)
+    if "^" + before.name not in node.input:
+        node.input.append("^" + before.name)
 
 
 def _node(nodes: dict, name: str):

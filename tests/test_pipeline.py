@@ -326,6 +326,7 @@ def test_plan_to_json_round_trips():
         "recomputes": [],
         "swaps": [],
         "cache_budget": None,
+        "orders": [],
     }
     rebuilt = planner.Plan(
         policy=loaded["policy"],
