@@ -199,8 +199,9 @@ class Options:
     # tools/sntf_dump); costs memory, off by default.
     keep_graphs: bool = False
     # Recomputation: "speed" (re-run a segment once before its first backward
-    # reader), "memory" (once per reader) or "auto" (speed unless that would
-    # raise the predicted peak).
+    # reader), "memory" (once per reader; may also re-run convolutions and
+    # matmuls, keeping only segment inputs, where that plans lower) or
+    # "auto" (speed unless that would raise the predicted peak).
     recompute_mode: str = "auto"
     # Swapping: tensors smaller than this stay on the device (the transfer's
     # fixed cost outweighs the bytes).

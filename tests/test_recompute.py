@@ -499,7 +499,7 @@ def test_a_weight_gradient_downstream_of_its_reader_is_not_ordered_first():
     assert planner.plan_gradient_order(G.build_index(g)) == ()
 
 
-def test_shape_readers_keep_the_original_and_do_not_block_recomputation():
+def test_with_segments_shape_readers_keep_the_original():
     g = pool_step()
     # The gradient seed is reshaped to p's shape (as Keras' dynamic-batch
     # graphs do with Shape ops on forward tensors).
@@ -516,7 +516,13 @@ def test_shape_readers_keep_the_original_and_do_not_block_recomputation():
     props["grad/seed_r"] = [(DT_FLOAT, (256,))]
     facts = analysis.analyze(idx, props)
     assert facts.phases[idx.node("grad/shape")] == G.BACKWARD
-    plan = planner.plan_recompute(idx, facts, "memory", frozenset(idx.fetch))
-    assert [r.tensor for r in plan.recomputes] == ["p:0"]
-    readers = {c for group in plan.recomputes[0].groups for c, _ in group.consumers}
+    # Under the paper's rule a tensor whose shape the backward pass reads
+    # is kept (see plan_recompute).
+    assert not planner.plan_recompute(idx, facts, "memory",
+                                      frozenset(idx.fetch)).recomputes
+    plan = planner.plan_recompute(idx, facts, "memory", frozenset(idx.fetch),
+                                  segment_checkpoints=2)
+    recipes = {r.tensor: r for r in plan.recomputes}
+    assert set(recipes) == {"r:0", "p:0"}   # r with its MatMul
+    readers = {c for group in recipes["p:0"].groups for c, _ in group.consumers}
     assert readers == {"grad/pool"}
