@@ -96,7 +96,8 @@ RECOMPUTE_MODES = ("speed", "memory")
 # stop at checkpoints and never run back through a long residual chain.
 MAX_RECOMPUTE_CHAIN = 8
 # The same, when checkpoint ops are re-run too (segment_checkpoints): a
-# segment of two convolutions with their normalizations and activations.
+# segment of a few convolutions, each with Keras' unfused BatchNormalization
+# (about a dozen ops) and an activation.
 MAX_SEGMENT_CHAIN = 48
 # Ops never re-run, whatever their class: reading a variable again could see
 # a newer value; inputs, constants and handles are free to keep.
@@ -234,7 +235,8 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
             seconds = sum(facts.op_seconds[cost_step[i]] for i in chain) * len(groups)
             decision = Decision(
                 tensor=name, action=RECOMPUTE,
-                reason=(f"cheap {g.ops[producer]} output read by {len(readers)} "
+                reason=(f"{'' if segment_checkpoints else 'cheap '}{g.ops[producer]} "
+                        f"output read by {len(readers)} "
                         f"backward op(s); {len(chain)} op(s) re-run "
                         f"{'per reader' if len(groups) > 1 else 'once'}"),
                 bytes_saved=saved, seconds_added=seconds)
@@ -270,8 +272,9 @@ def plan_gradient_order(g) -> tuple:
     most recently deferred op first: the input gradient's chain goes on
     down the network while every deferred filter gradient keeps its output
     gradient (and its forward input, or that input's recomputation) alive
-    until the chain ends. Waiting for the filter gradient frees both a layer
-    later. Values are unchanged; only the order is.
+    until the chain ends. With the other readers waiting for it, the filter
+    gradient runs first and both tensors die as the chain passes the layer.
+    Values are unchanged; only the order is.
 
     Args:
       g: the graph index.
