@@ -800,10 +800,9 @@ def _fit_budget(graph_def, index: graph.GraphIndex, facts, props,
     if planned is not None and planned.graph_def is not graph_def:
         rewritten = planned.graph_def
         if plan.swaps:
-            rewritten = _cache_thresholds(rewritten, planned.facts, budget,
-                                          outside + slack)
+            rewritten = _cache_thresholds(rewritten, planned.facts, budget, outside)
             plan = dataclasses.replace(plan, notes=plan.notes + (
-                _cache_note(planned.facts, budget, outside + slack),))
+                _cache_note(planned.facts, budget, outside),))
         return plan, rewrite.RewriteResult(graph_def=rewritten, modified=True), planned.facts
     return plan, rewrite.RewriteResult(graph_def=graph_def, modified=False), None
 
@@ -847,27 +846,37 @@ def _cache_thresholds(graph_def, facts, budget: int, outside: int = 0):
     SnCacheOut gets the budget (its live-bytes test, a guard for a plan that
     under-estimates) and that headroom (its cap on the device's cached
     bytes); a budget below the planned peak leaves no headroom, and every
-    swap copies. `outside` is what the device holds outside the graph.
+    swap copies. `outside` is what the device holds outside the graph; the
+    headroom also leaves the allocator's slack, as budget targets do
+    (allocator_slack).
     """
     out = type(graph_def)()
     out.CopyFrom(graph_def)
-    headroom = max(0, budget - outside - facts.budget_peak_bytes)
+    headroom = _cache_headroom(facts, budget, outside)
     for node in out.node:
         if node.op == names.CACHE_OUT_OP:
             node.attr["budget"].i = budget
-            node.attr["headroom"].i = headroom
+            node.attr["headroom"].i = max(0, headroom)
     return out
+
+
+def _cache_headroom(facts, budget: int, outside: int) -> int:
+    """Bytes of swapped tensors the cache may keep on the device (negative:
+    none)."""
+    return budget - outside - allocator_slack(facts) - facts.budget_peak_bytes
 
 
 def _cache_note(facts, budget: int, outside: int = 0) -> str:
     peak = facts.budget_peak_bytes
-    headroom = budget - outside - peak
+    headroom = _cache_headroom(facts, budget, outside)
     held = f" - {outside} held outside the graph" if outside else ""
+    slack = allocator_slack(facts)
+    slack_text = f" - {slack} allocator slack" if slack else ""
     if headroom < 0:
-        return (f"budget {budget} bytes{held} is below the planned peak "
+        return (f"budget {budget} bytes{held}{slack_text} is below the planned peak "
                 f"{peak} bytes: every swap copies")
     return (f"tensor cache: up to {headroom} bytes of swapped tensors stay on the "
-            f"device (budget {budget}{held} - planned peak {peak})")
+            f"device (budget {budget}{held}{slack_text} - planned peak {peak})")
 
 
 CUDNN_WORKSPACE_ENV = "TF_CUDNN_WORKSPACE_LIMIT_IN_MB"

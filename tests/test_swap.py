@@ -2,6 +2,7 @@
 with "swap" and "swap+recompute" on the six model families (fresh processes);
 a 200-step soak without pool or peak growth."""
 
+import dataclasses
 import os
 import sys
 
@@ -179,6 +180,23 @@ def test_with_a_budget_swaps_go_through_the_tensor_cache():
         assert node.attr["budget"].i == budget
         assert node.attr["headroom"].i == max(0, budget - new_facts.predicted_peak_bytes)
     assert "every swap copies" in pipeline._cache_note(new_facts, 1)
+
+
+def test_the_cache_headroom_leaves_the_allocator_slack(monkeypatch):
+    # As budget targets do (pipeline._fit_budget): the largest scratch
+    # buffer may take twice its bytes from TensorFlow's allocator.
+    g, props, idx, facts, plan = swap_plan()
+    out = rewrite.apply_plan(g, dataclasses.replace(plan, cache_budget=10 * MIB)).graph_def
+    new_idx = G.build_index(out, ["ret"])
+    new_facts = analysis.analyze(new_idx, pipeline._with_generated(props, new_idx))
+    monkeypatch.setattr(pipeline, "allocator_slack", lambda facts: 2 * MIB)
+    budget = new_facts.predicted_peak_bytes + 3 * MIB
+    tuned = pipeline._cache_thresholds(out, new_facts, budget, outside=MIB // 2)
+    (node,) = [n for n in tuned.node if n.op == names.CACHE_OUT_OP]
+    assert node.attr["headroom"].i == MIB // 2
+    note = pipeline._cache_note(new_facts, budget, outside=MIB // 2)
+    assert f"up to {MIB // 2} bytes" in note and f"{2 * MIB} allocator slack" in note
+    assert "every swap copies" in pipeline._cache_note(new_facts, budget - 2 * MIB)
 
 
 def test_pass_with_a_budget_reports_the_cudnn_workspace_limit(monkeypatch):
