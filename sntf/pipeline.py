@@ -484,8 +484,8 @@ def _segmented_recompute(graph_def, index: graph.GraphIndex, facts, props,
 
     Only each segment's input is kept (planner.plan_recompute's
     segment_checkpoints). The recomputed graph then also gets the weight
-    gradients ordered before the other readers of their output gradients
-    (planner.plan_gradient_order), where that plans lower: deferred by the
+    gradients ordered before the input gradients of the same output
+    gradients (planner.plan_gradient_order), where that plans lower: deferred by the
     executor, they kept both their gradients and their recomputed inputs
     alive to the end of the backward pass.
 

@@ -260,11 +260,19 @@ class Order:
 WEIGHT_GRADIENT_OPS = {"Conv2DBackpropFilter": 2, "Conv2DBackpropFilterV2": 2,
                        "DepthwiseConv2dNativeBackpropFilter": 2,
                        "Conv3DBackpropFilterV2": 2}
+# The readers made to wait for a weight gradient: the input gradients that
+# carry the backward chain on. Not BiasAddGrad: oneDNN's graph pass (on by
+# default on x86) fuses a filter gradient with the bias gradient of the
+# same output gradient, and an edge between them changed the bias
+# gradient's bits (found by tools/fuzz_pass.py).
+INPUT_GRADIENT_OPS = frozenset({"Conv2DBackpropInput", "Conv2DBackpropInputV2",
+                                "DepthwiseConv2dNativeBackpropInput",
+                                "Conv3DBackpropInputV2"})
 
 
 def plan_gradient_order(g) -> tuple:
-    """Control edges that run each layer's weight gradient before the other
-    readers of its output gradient.
+    """Control edges that run each layer's weight gradient before the input
+    gradient of the same output gradient.
 
     A convolution's output gradient is read by the filter gradient and by
     the input gradient. TensorFlow's executor runs one of the two ready
@@ -272,7 +280,7 @@ def plan_gradient_order(g) -> tuple:
     most recently deferred op first: the input gradient's chain goes on
     down the network while every deferred filter gradient keeps its output
     gradient (and its forward input, or that input's recomputation) alive
-    until the chain ends. With the other readers waiting for it, the filter
+    until the chain ends. With the input gradient waiting for it, the filter
     gradient runs first and both tensors die as the chain passes the layer.
     Values are unchanged; only the order is.
 
@@ -280,8 +288,9 @@ def plan_gradient_order(g) -> tuple:
       g: the graph index.
 
     Returns:
-      Order edges (filter gradient -> other reader of its output gradient),
-      none that would close a cycle or cross devices.
+      Order edges (filter gradient -> input gradient of the same output
+      gradient, see INPUT_GRADIENT_OPS), none that would close a cycle or
+      cross devices.
     """
     position = {node: k for k, node in enumerate(g.topo)}
     orders = []
@@ -290,8 +299,8 @@ def plan_gradient_order(g) -> tuple:
             continue
         producer, port = g.data_inputs[w][WEIGHT_GRADIENT_OPS[op]]
         readers = [c for c, _, p in g.consumers[producer]
-                   if p == port and c != w and g.devices[c] == g.devices[w]
-                   and g.ops[c] not in METADATA_OPS and w not in g.control_inputs[c]]
+                   if p == port and g.ops[c] in INPUT_GRADIENT_OPS
+                   and g.devices[c] == g.devices[w] and w not in g.control_inputs[c]]
         if not readers:
             continue
         # A reader upstream of w (through a clone's release edge, say) must
