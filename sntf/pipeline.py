@@ -485,9 +485,9 @@ def _segmented_recompute(graph_def, index: graph.GraphIndex, facts, props,
     Only each segment's input is kept (planner.plan_recompute's
     segment_checkpoints). The recomputed graph then also gets the weight
     gradients ordered before the input gradients of the same output
-    gradients (planner.plan_gradient_order), where that plans lower: deferred by the
-    executor, they kept both their gradients and their recomputed inputs
-    alive to the end of the backward pass.
+    gradients (planner.plan_gradient_order), where that plans lower:
+    deferred by the executor, they kept both their gradients and their
+    recomputed inputs alive to the end of the backward pass.
 
     Returns:
       (plan, _Planned of the plan or None), as _stage_plan.
