@@ -426,6 +426,12 @@ def _lowest_recompute(graph_def, index: graph.GraphIndex, facts, props, mode: st
                                       order=order,
                                       segment_checkpoints=segment_checkpoints)
         candidates.append((plan, _planned(plan, graph_def, index, props, facts.batch)))
+    return _lowest_planned(candidates)
+
+
+def _lowest_planned(candidates: list):
+    """Of (plan, _Planned or None) pairs, the plan that changes the graph
+    with the lowest planned peak (the first if none changes it)."""
     changed = [c for c in candidates if c[1] is not None]
     if not changed:
         return candidates[0]
@@ -462,10 +468,9 @@ def _memory_recompute(graph_def, index: graph.GraphIndex, facts, props,
                                     protected)]
     candidates += [_segmented_recompute(graph_def, index, facts, props, protected, k)
                    for k in MEMORY_SEGMENTS]
-    changed = [c for c in candidates if c[1] is not None]
-    if not changed:
-        return candidates[0]
-    memory, planned = min(changed, key=lambda c: c[1].facts.budget_peak_bytes)
+    memory, planned = _lowest_planned(candidates)
+    if planned is None:
+        return memory, None
     speed, speed_planned = _lowest_recompute(graph_def, index, facts, props, "speed",
                                              protected)
     if (speed_planned is not None and speed_planned.facts.budget_peak_bytes
@@ -821,8 +826,6 @@ def allocator_slack(facts) -> int:
     im2col scratch of convolution backprops is the largest single request
     in such graphs.
     """
-    from sntf import analysis
-
     return max((n for b, n in facts.tensor_bytes.items()
                 if b[1] == analysis.SCRATCH_PORT), default=0)
 

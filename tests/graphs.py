@@ -641,3 +641,61 @@ def properties_fn(props: dict):
         return result
 
     return properties
+
+
+def mlp_step(widths=(256, 192, 320, 128, 256), batch=512):
+    """A dense network's training step: pre_i = h_{i-1} W_i, h_i = relu(pre_i),
+    loss = sum(h_L), and SGD on every W_i.
+
+    The backward pass reads pre_i (ReluGrad on the features) and h_{i-1}
+    (for dW_i), so each layer holds two buffers worth freeing: h_i can be
+    recomputed (one Relu) or swapped, pre_i only swapped (the last layer's
+    buffers have no earlier backward op to start a swap-in). About 10 ops
+    per layer; five layers stay under 60 ops.
+    """
+    b = GraphBuilder()
+    shapes = {}
+    b.arg("x")
+    shapes["x"] = (batch, widths[0])
+    prev = "x"
+    for i, width in enumerate(widths[1:], 1):
+        b.arg(f"w{i}", DT_RESOURCE).read(f"w{i}_read", f"w{i}")
+        shapes[f"w{i}_read"] = (widths[i - 1], width)
+        b.op("MatMul", f"pre{i}", [prev, f"w{i}_read"], T=DT_FLOAT)
+        b.op("Relu", f"h{i}", [f"pre{i}"], T=DT_FLOAT)
+        shapes[f"pre{i}"] = shapes[f"h{i}"] = (batch, width)
+        prev = f"h{i}"
+    layers = len(widths) - 1
+    b.const("axes", [0, 1], DT_INT32).op("Sum", "loss", [prev, "axes"], T=DT_FLOAT)
+    b.const("grad/ones", 1.0, shape=(batch, widths[-1]))
+    shapes["grad/ones"] = (batch, widths[-1])
+    b.const("lr", 0.01)
+    grad = "grad/ones"
+    for i in range(layers, 0, -1):
+        below = "x" if i == 1 else f"h{i - 1}"
+        b.op("ReluGrad", f"grad/pre{i}", [grad, f"pre{i}"], T=DT_FLOAT)
+        shapes[f"grad/pre{i}"] = (batch, widths[i])
+        b.op("MatMul", f"grad/w{i}", [below, f"grad/pre{i}"], T=DT_FLOAT,
+             transpose_a=True)
+        shapes[f"grad/w{i}"] = shapes[f"sgd/mul{i}"] = (widths[i - 1], widths[i])
+        b.op("Mul", f"sgd/mul{i}", ["lr", f"grad/w{i}"], T=DT_FLOAT)
+        b.op("AssignSubVariableOp", f"sgd/update{i}", [f"w{i}", f"sgd/mul{i}"],
+             dtype=DT_FLOAT)
+        if i > 1:
+            b.op("MatMul", f"grad/h{i - 1}", [f"grad/pre{i}", f"w{i}_read"],
+                 T=DT_FLOAT, transpose_b=True)
+            shapes[f"grad/h{i - 1}"] = (batch, widths[i - 1])
+            grad = f"grad/h{i - 1}"
+    b.retval("ret", "loss")
+    graph_def = b.build()
+    props = {}
+    for node in graph_def.node:
+        if node.op in ("_Retval", "AssignSubVariableOp"):
+            props[node.name] = []
+        elif node.op == "_Arg" and node.name != "x":
+            props[node.name] = [(DT_RESOURCE, ())]
+        elif node.name == "axes":
+            props[node.name] = [(DT_INT32, (2,))]
+        else:
+            props[node.name] = [(DT_FLOAT, shapes.get(node.name, ()))]
+    return graph_def, props

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from conftest import WORKERS, train_family
-from graphs import DT_BOOL, DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder, properties_fn
+from graphs import (DT_BOOL, DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder, mlp_step,
+                    properties_fn)
 from sntf import analysis, config, names, pipeline, planner, rewrite
 from sntf import graph as G
 
@@ -364,74 +365,37 @@ def test_every_mode_trains_bit_identically(fresh_python, tmp_path, family):
             assert peak <= speed, (family, graph_name, peak, speed)
 
 
-def mlp_step():
-    """Four MatMul+Relu layers trained by hand-written gradients.
-
-    m_k = MatMul(r_{k-1}, w_k), r_k = Relu(m_k), loss = Sum(m4). The backward
-    pass reads r1..r3 (ReluGrad and the weight gradients) and the weights."""
-    b = GraphBuilder().arg("x")
-    for k in range(1, 5):
-        b.arg(f"w{k}", DT_RESOURCE).read(f"w{k}_read", f"w{k}")
-    previous = "x"
-    for k in range(1, 5):
-        b.op("MatMul", f"m{k}", [previous, f"w{k}_read"], T=DT_FLOAT)
-        if k < 4:
-            b.op("Relu", f"r{k}", [f"m{k}"], T=DT_FLOAT)
-            previous = f"r{k}"
-    (b.const("axes", [0], DT_INT32)
-     .op("Sum", "loss", ["m4", "axes"], T=DT_FLOAT)
-     .const("grad/ones", 1.0)
-     .op("Mul", "grad/m4", ["grad/ones", "loss"], T=DT_FLOAT)
-     .const("lr", 0.1))
-    for k in range(4, 0, -1):
-        below = f"r{k - 1}" if k > 1 else "x"
-        (b.op("MatMul", f"grad/w{k}", [below, f"grad/m{k}"], T=DT_FLOAT, transpose_a=True)
-         .op("Mul", f"sgd/mul{k}", ["lr", f"grad/w{k}"], T=DT_FLOAT)
-         .op("AssignSubVariableOp", f"sgd/update{k}", [f"w{k}", f"sgd/mul{k}"],
-             dtype=DT_FLOAT))
-        if k > 1:
-            (b.op("MatMul", f"grad/r{k - 1}", [f"grad/m{k}", f"w{k}_read"], T=DT_FLOAT,
-                  transpose_b=True)
-             .op("ReluGrad", f"grad/m{k - 1}", [f"grad/r{k - 1}", f"r{k - 1}"],
-                 T=DT_FLOAT))
-    return b.retval("ret", "loss").build()
-
-
-def _mlp_props(g):
-    props = {}
-    for name, op in zip(*(lambda i: (i.names, i.ops))(G.build_index(g))):
-        props[name] = ([] if op in ("_Retval", "AssignSubVariableOp") else
-                       [(DT_RESOURCE, ())] if op == "_Arg" and name != "x" else
-                       [(DT_FLOAT, ())] if op in ("Const", "Sum") or name == "grad/m4"
-                       else [(DT_FLOAT, (4096,))])
-    return props
-
-
 def test_segments_re_run_matmuls_from_each_segments_input():
-    g = mlp_step()
+    g, props = mlp_step(widths=(64, 64, 64, 64, 64), batch=64)
     idx = G.build_index(g, ["ret"])
-    facts = analysis.analyze(idx, _mlp_props(g))
+    facts = analysis.analyze(idx, props)
     protected = frozenset(idx.fetch)
-    # The paper's rule keeps every MatMul output; each Relu runs in place
-    # over it, so re-running a Relu alone would free nothing.
-    assert facts.buffer_of((idx.node("r1"), 0)) == (idx.node("m1"), 0)
-    assert not planner.plan_recompute(idx, facts, "memory", protected).recomputes
-    # Segments of two MatMuls: m3 would be the third since x, so r2 (its
-    # input) is kept, and r1 and r3 are rebuilt with their MatMuls, from x
-    # and from r2.
-    segmented = planner.plan_recompute(idx, facts, "memory", protected,
-                                       segment_checkpoints=2)
-    assert {r.tensor: r.chain for r in segmented.recomputes} == {
-        "r1:0": ("m1", "r1"), "r3:0": ("m3", "r3")}
-    # One MatMul per segment: every Relu feeds the next MatMul and is kept.
-    assert not planner.plan_recompute(idx, facts, "memory", protected,
-                                      segment_checkpoints=1).recomputes
+
+    def chains(per_segment):
+        plan = planner.plan_recompute(idx, facts, "memory", protected,
+                                      segment_checkpoints=per_segment)
+        return plan, {r.tensor: r.chain for r in plan.recomputes}
+
+    # The paper's rule keeps every MatMul output (pre_i, which ReluGrad
+    # reads) and rebuilds each Relu from it. (The last layer's buffers have
+    # no earlier backward op to release a clone.)
+    assert chains(0)[1] == {"h1:0": ("h1",), "h2:0": ("h2",), "h3:0": ("h3",)}
+    # One MatMul per segment: each MatMul's input h_i is kept and the MatMul
+    # is re-run from it.
+    assert chains(1)[1] == {"pre1:0": ("pre1",), "pre2:0": ("pre2",),
+                            "pre3:0": ("pre3",)}
+    # Two: pre3 would be the third MatMul since x, so h2 (its input) is
+    # kept; everything before it is rebuilt from x, pre3 and h3 from h2.
+    segmented, got = chains(2)
+    assert got == {"pre1:0": ("pre1",), "h1:0": ("pre1", "h1"),
+                   "pre2:0": ("pre1", "h1", "pre2"),
+                   "pre3:0": ("pre3",), "h3:0": ("pre3", "h3")}
     # The rewrite clones the MatMul with its attributes and reads the kept
     # tensor and the forward read of the weight.
     out = rewrite.apply_plan(g, segmented).graph_def
     clones = [n for n in out.node if n.op == "MatMul"
-              and names.recompute_source(n.name) == "m3"]
-    assert clones and all(list(c.input)[:2] == ["r2", "w3_read"] for c in clones)
+              and names.recompute_source(n.name) == "pre3"]
+    assert clones and all(list(c.input)[:2] == ["h2", "w3_read"] for c in clones)
     assert not G.build_index(out, ["ret"]).has_cycles
 
 
