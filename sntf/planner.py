@@ -325,6 +325,85 @@ def _ancestors_after(g, node: int, floor: int, position: dict) -> set:
     return seen
 
 
+def plan_update_order(g) -> tuple:
+    """Control edges that make each variable update wait for the readers of
+    the variable's earlier reads, so that TensorFlow updates it in place.
+
+    A ReadVariableOp's output shares the variable's buffer. An update
+    (AssignSubVariableOp, ResourceApplyAdam, ...) that runs while such a
+    read is still alive cannot write in place: TensorFlow copies the variable
+    into a buffer allocated in the middle of the step, and that buffer stays
+    the variable's into the next steps, splitting the free chunks the next
+    step's large buffers would take. Recomputation makes reads live longer
+    (clones reuse the forward read and run late in the backward pass).
+    Measured: DenseNet's memory-centric plan peaked at 75.2 MiB in the
+    first step and 95.6-101.2 MiB in every later one; with these edges,
+    76.0 MiB in every step. Values are unchanged (a reader sees the value
+    before the update either way); only the order is.
+
+    Args:
+      g: the graph index.
+
+    Returns:
+      Order edges (reader -> update), none that would close a cycle, cross
+      devices, touch a control-flow region, or repeat an existing path.
+    """
+    from sntf import graph as graph_model
+
+    region = graph_model.control_flow_region(g)
+    position = {node: k for k, node in enumerate(g.topo)}
+    updates, readers = graph_model.variable_access(g)
+    pairs = []
+    for root, ups in updates.items():
+        reads = [r for r in readers.get(root, ()) if g.ops[r] == "ReadVariableOp"]
+        for u in ups:
+            if u in region:
+                continue
+            for r in reads:
+                # Reads after the update (automatic control dependencies
+                # order them after it) see the new value.
+                if position[r] < position[u]:
+                    pairs += [(c, u) for c in _alias_readers(g, r)
+                              if c != u and c not in region
+                              and not graph_model.is_update_op(g.ops[c])
+                              and g.devices[c] == g.devices[u]]
+    if not pairs:
+        return ()
+    bit = {n: k for k, n in enumerate(sorted({n for pair in pairs for n in pair}))}
+    ancestors = _ancestor_bits(g, bit)
+    orders = {}
+    for c, u in pairs:
+        if ancestors[u] >> bit[c] & 1 or ancestors[c] >> bit[u] & 1:
+            continue   # already ordered, or the edge would close a cycle
+        orders[(c, u)] = Order(before=g.names[c], after=g.names[u])
+    return tuple(orders.values())
+
+
+def _alias_readers(g, read: int) -> list:
+    """The nodes that read a tensor's buffer: its consumers, and those of
+    the Identity ops that forward it."""
+    found, stack = [], [read]
+    while stack:
+        for c, _, _ in g.consumers[stack.pop()]:
+            if g.ops[c] == "Identity":
+                stack.append(c)
+            found.append(c)
+    return found
+
+
+def _ancestor_bits(g, bit: dict) -> dict:
+    """Node -> an int with bit[m] set for each marked node m (the keys of
+    `bit`) that is the node itself or one of its ancestors (data and
+    control), by topological order."""
+    bits = {}
+    for node in g.topo:
+        mask = 1 << bit[node] if node in bit else 0
+        for p in [p for p, _ in g.data_inputs[node]] + list(g.control_inputs[node]):
+            mask |= bits.get(p, 0)
+        bits[node] = mask
+    return bits
+
+
 def _read_under_control_flow(g, tensor: tuple, region: frozenset) -> bool:
     """Whether a node under control flow reads the tensor (see
     graph.control_flow_region): such a tensor is left as it is."""

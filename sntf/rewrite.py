@@ -160,6 +160,7 @@ def _apply_recompute(out, nodes: dict, recipe: planner.Recompute, first: int) ->
                 _check_device(clone, _node(nodes, group.trigger), recipe.tensor)
                 clone.input.append("^" + group.trigger)
             clones[name] = clone.name
+            nodes[clone.name] = clone
         for consumer, slot in group.consumers:
             _set_data_input(_node(nodes, consumer), slot, f"{clones[producer]}:{port}")
 
