@@ -381,13 +381,14 @@ def plan_update_order(g) -> tuple:
 
 def _alias_readers(g, read: int) -> list:
     """The nodes that read a tensor's buffer: its consumers, and those of
-    the Identity ops that forward it."""
+    the Identity ops that forward it (not the Identity ops themselves)."""
     found, stack = [], [read]
     while stack:
         for c, _, _ in g.consumers[stack.pop()]:
             if g.ops[c] == "Identity":
                 stack.append(c)
-            found.append(c)
+            else:
+                found.append(c)
     return found
 
 
