@@ -29,7 +29,8 @@ processes (tests/workers/measure_peak.py), one per configuration.
   the plan swaps and recomputes
 
 It tabulates the CPU:0 device peak and the median step time (steps after
-the first), each with its ratio to TensorFlow's, sntf's planned peak and
+the first; with --repeats, the median over the runs), each with its ratio
+to TensorFlow's, sntf's planned peak and
 planned / measured, and for the swap suite the host pool's peak and the
 bytes moved per step each way. A configuration that fails to train is
 listed with its error. Progress lines go to stdout; the table and the exact
@@ -56,7 +57,8 @@ flags.DEFINE_string("models", "vgg,resnet,densenet,resnet:8",
                     "comma-separated family or family:depth")
 flags.DEFINE_integer("batch", 32, "batch size")
 flags.DEFINE_integer("steps", 6, "training steps per run (step time: median after the first)")
-flags.DEFINE_integer("repeats", 1, "fresh processes per configuration (median peak)")
+flags.DEFINE_integer("repeats", 1, "fresh processes per configuration (median peak "
+                     "and median step time)")
 flags.DEFINE_string("out", None, "markdown file for the table "
                     "(default BENCHMARKS_<suite>.md)")
 

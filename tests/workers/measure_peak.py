@@ -264,7 +264,10 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
 
     With repeats > 1 it runs that many identical fresh processes and returns
     the run with the median measured peak, adding measured_peaks_bytes (all
-    runs, in order), peak_spread (max/min - 1) and wall_seconds_all. One
+    runs, in order), peak_spread (max/min - 1), wall_seconds_all and
+    seconds_per_step_all; its seconds_per_step is the median over the runs
+    (one run's swung by a third between identical runs on a shared 2-core
+    machine, the baseline's included). One
     inter-op thread makes the peak repeatable only approximately: identical
     runs differ by up to a few percent now and then (thread timing in the
     executor and in Keras' tf.data input pipeline; the graphs are identical).
@@ -284,6 +287,11 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
         chosen["measured_peaks_bytes"] = peaks
         chosen["peak_spread"] = max(peaks) / min(peaks) - 1.0 if min(peaks) else None
         chosen["wall_seconds_all"] = [r["wall_seconds"] for r in runs]
+        times = sorted(r["seconds_per_step"] for r in runs
+                       if r["seconds_per_step"] is not None)
+        chosen["seconds_per_step_all"] = [r["seconds_per_step"] for r in runs]
+        if times:
+            chosen["seconds_per_step"] = times[len(times) // 2]
         return chosen
     command = [sys.executable, os.path.abspath(__file__), "--family", family,
                "--batch", str(batch), "--steps", str(steps), "--policy", policy,
