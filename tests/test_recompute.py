@@ -487,7 +487,7 @@ def test_a_weight_gradient_downstream_of_its_reader_is_not_ordered_first():
 
 
 def test_variable_updates_wait_for_the_readers_of_their_reads():
-    g, props = mlp_step(widths=(64, 64, 64, 64), batch=64)
+    g, _ = mlp_step(widths=(64, 64, 64, 64), batch=64)
     idx = G.build_index(g, ["ret"])
     # w_i's read feeds the forward MatMul (an ancestor of the update, no
     # edge needed) and grad/h_{i-1}, which nothing orders against the update.
