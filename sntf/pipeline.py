@@ -842,11 +842,6 @@ def _fit_budget(graph_def, index: graph.GraphIndex, facts, props,
             return plan, rewrite.RewriteResult(graph_def=graph_def, modified=False), None
     plan = dataclasses.replace(plan, policy="auto", notes=(note,))
     if planned is not None and planned.graph_def is not graph_def:
-        # As in the recompute stage: swaps and clones keep reads alive too
-        # (U-Net at 0.7x TensorFlow's peak: 51.9 MiB in the first step,
-        # 59.4-60.7 in later ones; with the edges 50.2, then 53.0).
-        plan, planned = _updates_in_place(plan, planned, graph_def, index, props,
-                                          facts.batch)
         rewritten = planned.graph_def
         if plan.swaps:
             rewritten = _cache_thresholds(rewritten, planned.facts, budget, outside)
