@@ -289,40 +289,35 @@ def plan_gradient_order(g) -> tuple:
 
     Returns:
       Order edges (filter gradient -> input gradient of the same output
-      gradient, see INPUT_GRADIENT_OPS), none that would close a cycle or
-      cross devices.
+      gradient, see INPUT_GRADIENT_OPS), none that would close a cycle,
+      cross devices or repeat an existing path.
     """
-    position = {node: k for k, node in enumerate(g.topo)}
-    orders = []
+    pairs = []
     for w, op in enumerate(g.ops):
         if op not in WEIGHT_GRADIENT_OPS or len(g.data_inputs[w]) <= WEIGHT_GRADIENT_OPS[op]:
             continue
         producer, port = g.data_inputs[w][WEIGHT_GRADIENT_OPS[op]]
-        readers = [c for c, _, p in g.consumers[producer]
-                   if p == port and g.ops[c] in INPUT_GRADIENT_OPS
-                   and g.devices[c] == g.devices[w] and w not in g.control_inputs[c]]
-        if not readers:
-            continue
         # A reader upstream of w (through a clone's release edge, say) must
-        # not wait for it. Such a path runs from the gradient's producer
-        # through the reader to w, so only nodes after the producer count.
-        upstream = _ancestors_after(g, w, position[producer], position)
-        orders += [Order(before=g.names[w], after=g.names[c])
-                   for c in sorted(set(readers)) if c not in upstream]
-    return tuple(orders)
+        # not wait for it; _new_orders drops those pairs.
+        pairs += [(w, c) for c, _, p in g.consumers[producer]
+                  if p == port and g.ops[c] in INPUT_GRADIENT_OPS
+                  and g.devices[c] == g.devices[w]]
+    return _new_orders(g, pairs)
 
 
-def _ancestors_after(g, node: int, floor: int, position: dict) -> set:
-    """Ancestors of `node` (data and control) placed after topological
-    position `floor`."""
-    seen, stack = {node}, [node]
-    while stack:
-        i = stack.pop()
-        for p in [p for p, _ in g.data_inputs[i]] + list(g.control_inputs[i]):
-            if p not in seen and position.get(p, -1) > floor:
-                seen.add(p)
-                stack.append(p)
-    return seen
+def _new_orders(g, pairs: list) -> tuple:
+    """Order edges for (before, after) node pairs, in the pairs' order, less
+    duplicates and the pairs already ordered (before is an ancestor of
+    after) or that would close a cycle (after is an ancestor of before)."""
+    if not pairs:
+        return ()
+    bit = {n: k for k, n in enumerate(sorted({n for pair in pairs for n in pair}))}
+    ancestors = _ancestor_bits(g, bit)
+    orders = {}
+    for before, after in pairs:
+        if not (ancestors[after] >> bit[before] & 1 or ancestors[before] >> bit[after] & 1):
+            orders[(before, after)] = Order(before=g.names[before], after=g.names[after])
+    return tuple(orders.values())
 
 
 def plan_update_order(g) -> tuple:
@@ -367,16 +362,7 @@ def plan_update_order(g) -> tuple:
                               if c != u and c not in region
                               and not graph_model.is_update_op(g.ops[c])
                               and g.devices[c] == g.devices[u]]
-    if not pairs:
-        return ()
-    bit = {n: k for k, n in enumerate(sorted({n for pair in pairs for n in pair}))}
-    ancestors = _ancestor_bits(g, bit)
-    orders = {}
-    for c, u in pairs:
-        if ancestors[u] >> bit[c] & 1 or ancestors[c] >> bit[u] & 1:
-            continue   # already ordered, or the edge would close a cycle
-        orders[(c, u)] = Order(before=g.names[c], after=g.names[u])
-    return tuple(orders.values())
+    return _new_orders(g, pairs)
 
 
 def _alias_readers(g, read: int) -> list:
