@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from typing import Callable, Iterable, Optional, Sequence
 
 # Ranks a free option (fully hidden transfer) ahead of every costed one
@@ -102,19 +101,12 @@ class _Counted:
     def __init__(self, peak_of: PeakFn):
         self._peak_of = peak_of
         self._memo: dict = {}
-        self.seconds = 0.0
 
     def __call__(self, selection: Sequence[Option]) -> int:
         key = frozenset(selection)
         if key not in self._memo:
-            start = time.perf_counter()
             self._memo[key] = self._peak_of(tuple(selection))
-            self.seconds += time.perf_counter() - start
         return self._memo[key]
-
-    @property
-    def mean_seconds(self) -> float:
-        return self.seconds / max(self.count, 1)
 
     @property
     def count(self) -> int:
@@ -123,7 +115,7 @@ class _Counted:
 
 def greedy(options: Iterable[Option], peak_of: PeakFn, budget: int,
            refine_evaluations: int = 24, measure_limit: int = 48,
-           excess_of: Optional[ExcessFn] = None) -> Choice:
+           excess_of: Optional[ExcessFn] = None, small_graph: bool = True) -> Choice:
     """Fits `budget` with the options of best bytes per second.
 
     Args:
@@ -147,6 +139,9 @@ def greedy(options: Iterable[Option], peak_of: PeakFn, budget: int,
         peak was computed; with
         it, small graphs measure progress by the excess removed, which also
         moves when several steps tie at the peak.
+      small_graph: whether the graph is small enough (SMALL_GRAPH_NODES)
+        for the small-graph search, whose thousands of planned peaks assume
+        each takes milliseconds.
 
     Returns:
       The Choice. When even every option together does not fit, that full
@@ -160,11 +155,7 @@ def greedy(options: Iterable[Option], peak_of: PeakFn, budget: int,
     full = peak(order)
     if full > budget:
         return Choice(tuple(order), full, False, peak.count)
-    # The small-graph search below evaluates up to thousands of plans; a
-    # graph whose plans take longer than SMALL_GRAPH_SECONDS each to analyze
-    # goes the large-graph way (measured: a 1621-node Transformer at 0.3 s
-    # a plan spent over 10 minutes in the small-graph search).
-    if len(options) > measure_limit or peak.mean_seconds > SMALL_GRAPH_SECONDS:
+    if len(options) > measure_limit or not small_graph:
         chosen = _shortest_prefix(order, peak, budget)
         chosen = _improve(chosen, options, peak, budget, peak.count + refine_evaluations)
         return Choice(tuple(chosen), peak(chosen), True, peak.count)
@@ -255,9 +246,14 @@ def _marginal(options: list, peak: _Counted, budget: int,
 # Small graphs evaluate quickly (milliseconds per planned peak), so their
 # local search may spend this many times refine_evaluations.
 SMALL_GRAPH_SEARCH = 40
-# A graph is searched as small only if its planned peaks take at most this
-# long each (the first two evaluations decide).
-SMALL_GRAPH_SECONDS = 0.02
+# A graph is searched as small only up to this many nodes. The small-graph
+# search evaluates up to thousands of plans, and a plan's analysis grows
+# with the graph: about 10 ms at 366 nodes, 40 ms at 721, 0.3 s for a
+# 1621-node Transformer, which spent over 10 minutes in that search. A
+# node count, not the measured time of the first plans (as before), so that
+# the same graph takes the same search, and comes out the same, on a busy
+# machine as on an idle one.
+SMALL_GRAPH_NODES = 400
 
 
 def _improve(chosen: list, options: list, peak: _Counted, budget: int,

@@ -261,32 +261,23 @@ def _budget_bytes(state: config.State, index: graph.GraphIndex) -> Optional[int]
 
 def _link_bandwidth(state: config.State, index: graph.GraphIndex) -> float:
     """Bytes per second between device and host pool: the option, else PCIe
-    4 x16 on a GPU graph, else the measured memcpy rate of this machine."""
+    4 x16 on a GPU graph, else the cost model's memory bandwidth (on CPU a
+    swap is a host memcpy).
+
+    A constant, not a rate measured at run time: a measured memcpy rate
+    swung between 6.4 and 7.9 GB/s with the load on this 2-core machine,
+    and the U-Net's budget plan, whose prefetch distances it sets, between
+    51.2 and 59.0 MiB planned, so the same graph was rewritten differently
+    from one process to the next.
+    """
     if state.options.link_bandwidth is not None:
         return float(state.options.link_bandwidth)
     if _on_gpu(index):
         return PCIE4_X16_BYTES_PER_SECOND
-    return memcpy_bandwidth()
+    return analysis.DEFAULT_COST_MODEL.bytes_per_second
 
 
 PCIE4_X16_BYTES_PER_SECOND = 25e9
-_memcpy_rate: list = []
-
-
-def memcpy_bandwidth() -> float:
-    """Host memcpy rate (bytes/s), measured once per process on 32 MiB."""
-    if not _memcpy_rate:
-        import numpy as np
-
-        src = np.ones(32 << 20, dtype=np.uint8)
-        dst = np.empty_like(src)
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            np.copyto(dst, src)
-            best = min(best, time.perf_counter() - start)
-        _memcpy_rate.append(src.nbytes / max(best, 1e-6))
-    return _memcpy_rate[0]
 
 
 @dataclasses.dataclass
@@ -808,8 +799,9 @@ def _fit_budget(graph_def, index: graph.GraphIndex, facts, props,
     with _timed(report, "plan_auto"):
         options, selections = budget_search(graph_def, index, facts, props, state,
                                             budget)
-        choice = budget_planner.greedy(options, selections.peak, target,
-                                       excess_of=selections.excess)
+        choice = budget_planner.greedy(
+            options, selections.peak, target, excess_of=selections.excess,
+            small_graph=len(index.names) <= budget_planner.SMALL_GRAPH_NODES)
     plan, planned = selections.results[frozenset(choice.options)]
     report["budget_fits"] = choice.fits
     report["predicted_seconds_added"] = choice.seconds

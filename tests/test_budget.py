@@ -117,6 +117,61 @@ def test_greedy_is_within_ten_percent_of_the_exact_solver(widths):
     assert compared == 6
 
 
+def _slow_clock(monkeypatch):
+    """Makes every time.perf_counter() call a second after the last: to the
+    pass, a machine a thousand times slower (or busier) than this one."""
+    import itertools
+    import time
+
+    ticks = itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(ticks)))
+
+
+def test_greedy_search_does_not_depend_on_the_machine_speed(monkeypatch):
+    # The small-graph search and the large-graph one choose differently
+    # here; which one runs is decided by the graph's size, so a slow or
+    # busy machine gets the same plan (it once went by the measured time
+    # of the first plans).
+    graph_def, props = mlp_step((128, 384, 384, 256, 64, 192))
+    facts, options, selections = _search(graph_def, props, 1 << 40)
+    least = budget.greedy(options, selections.peak, 0).peak
+    targets = [int(least + f * (facts.predicted_peak_bytes - least))
+               for f in (0.95, 0.85, 0.75, 0.65, 0.55, 0.45)]
+    small = [budget.greedy(options, selections.peak, t, excess_of=selections.excess)
+             for t in targets]
+    large = [budget.greedy(options, selections.peak, t, excess_of=selections.excess,
+                           small_graph=False) for t in targets]
+    assert small != large
+    _slow_clock(monkeypatch)
+    assert [budget.greedy(options, selections.peak, t, excess_of=selections.excess)
+            for t in targets] == small
+
+
+def test_budget_rewrite_does_not_depend_on_the_machine_speed(monkeypatch):
+    # Without link_bandwidth, a CPU graph's swap copies are timed at the
+    # cost model's memory bandwidth (README), not at a memcpy rate timed in
+    # the process: the same graph gets the same rewrite, however busy the
+    # machine.
+    graph_def, props = mlp_step()
+    facts, _, _ = _search(graph_def, props, 1 << 40)
+    target = config.Budget(bytes=int(0.8 * facts.predicted_peak_bytes))
+
+    def rewrite(**options):
+        state = config.State(enabled=True, policy="auto", budget=target,
+                             options=config.Options(swap_min_bytes=0, **options))
+        result = pipeline.run_pass(graph_def.SerializeToString(), ["ret"], [], state,
+                                   properties_fn(props))
+        assert result.report["action"] == "rewritten"
+        return result.report["swapped"], result.graph_def.SerializeToString(
+            deterministic=True)
+
+    documented = rewrite(link_bandwidth=10e9)
+    assert documented[0]
+    assert documented != rewrite(link_bandwidth=1e6)    # the rate matters here
+    _slow_clock(monkeypatch)
+    assert rewrite() == documented
+
+
 def test_pass_fits_the_budget_with_the_planned_peak():
     graph_def, props = mlp_step()
     facts, _, _ = _search(graph_def, props, 1 << 40)
