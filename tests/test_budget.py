@@ -197,6 +197,10 @@ def test_pass_fits_the_budget_with_the_planned_peak():
     index = G.build_index(result.graph_def, ["ret"])
     again = analysis.analyze(index, pipeline._with_generated(props, index))
     assert again.predicted_peak_bytes == report["planned_peak_bytes"]
+    # Each update waits for the readers of its weight's read (no copy of the
+    # variable mid-step), as in the recompute stage.
+    assert "edge(s) ordering variable updates after" in report["reason"]
+    assert planner.plan_update_order(index) == ()
 
 
 def test_memory_held_outside_the_graph_comes_off_the_budget():
