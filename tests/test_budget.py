@@ -2,7 +2,9 @@
 the greedy heuristic against the exact solver on small training graphs, and
 the pass's reports for budgets that fit and budgets that cannot."""
 
+import itertools
 import logging
+import time
 
 import pytest
 
@@ -120,9 +122,6 @@ def test_greedy_is_within_ten_percent_of_the_exact_solver(widths):
 def _slow_clock(monkeypatch):
     """Makes every time.perf_counter() call a second after the last: to the
     pass, a machine a thousand times slower (or busier) than this one."""
-    import itertools
-    import time
-
     ticks = itertools.count()
     monkeypatch.setattr(time, "perf_counter", lambda: float(next(ticks)))
 

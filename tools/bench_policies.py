@@ -31,9 +31,10 @@ processes (tests/workers/measure_peak.py), one per configuration.
 It tabulates the CPU:0 device peak and the median step time (steps after
 the first; with --repeats, the median over the runs), each with its ratio
 to TensorFlow's, sntf's planned peak and planned / measured, and for the
-swap suite the host pool's peak and the bytes moved per step each way. A configuration that fails to train is
-listed with its error. Progress lines go to stdout; the table and the exact
-command line are printed and written to --out.
+swap suite the host pool's peak and the bytes moved per step each way. A
+configuration that fails to train is listed with its error. Progress lines
+go to stdout; the table and the exact command line are printed and written
+to --out.
 """
 
 import os
