@@ -69,36 +69,31 @@ class Recorder:
     """Spies on the pass as the plugin calls it and keeps its planned calls."""
 
     def __init__(self):
-        import tensorflow as tf  # noqa: F401 - before the pass module
+        from sntf import passes
 
-        from sntf import config, pipeline
-
-        self.config, self.pipeline = config, pipeline
-        self.original = pipeline.run_pass
+        self.passes = passes
+        self.original = passes.run_pass
         self.captured: list = []
-        pipeline.run_pass = self.spy
+        passes.run_pass = self.spy
 
-    def spy(self, graph_bytes, fetch, preserve, state, properties=None, in_use=None,
+    def spy(self, graph_bytes, fetch, preserve, state, properties=None, env=None,
             defer=False):
         raw = None
         if not defer and properties is not None:
-            from sntf import graph as graph_model
             from tensorflow.core.framework import graph_pb2
 
             names = [n.name for n in graph_pb2.GraphDef.FromString(graph_bytes).node]
             raw = {k: list(v) for k, v in properties(names).items()}
-            del graph_model
-        result = self.original(graph_bytes, fetch, preserve, state, properties, in_use,
+        result = self.original(graph_bytes, fetch, preserve, state, properties, env,
                                defer)
         if raw is not None and result.report["training"] and not result.deferred:
-            in_use_now = in_use("CPU:0") if in_use is not None else None
+            env = env or self.passes.Environment()
             self.captured.append(dict(
                 graph=graph_bytes, fetch=tuple(fetch), preserve=tuple(preserve),
-                properties=raw, runtime_batch=self.config.runtime_batch(),
-                in_use_bytes=in_use_now,
-                device_memory_bytes=self.config.device_memory_bytes(),
-                threads=os.cpu_count() or 1,
-                onednn=self.pipeline._onednn_enabled(), state=state))
+                properties=raw, runtime_batch=env.runtime_batch,
+                in_use_bytes=env.in_use("CPU:0") if env.in_use else None,
+                device_memory_bytes=env.device_memory(False), threads=env.threads,
+                onednn=env.onednn, state=state))
         return result
 
 
@@ -149,21 +144,20 @@ def record_fuzz(seeds: list, cases: int) -> None:
     import hypothesis
     from hypothesis import HealthCheck, Phase, given, settings
 
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import fuzz_pass
+    from sntf.testing import fuzz, fuzz_cases
 
     recorder = Recorder()
-    harness = fuzz_pass.Harness()
+    harness = fuzz.Harness()
     for seed in seeds:
         before = len(recorder.captured)
 
         @settings(max_examples=cases, deadline=None, database=None,
                   phases=(Phase.generate,), suppress_health_check=list(HealthCheck))
-        @given(fuzz_pass.case_specs(fuzz_pass.POLICIES))
-        def fuzz(spec):
+        @given(fuzz_cases.case_specs(fuzz_cases.POLICIES))
+        def one_case(spec):
             harness.run_case(spec)
 
-        hypothesis.seed(int(seed))(fuzz)()
+        hypothesis.seed(int(seed))(one_case)()
         for k, captured in enumerate(recorder.captured[before:]):
             entry = _entry(f"fuzz-s{seed}-{k:03d}", captured, [])
             configs = [_state_config(captured["state"])]

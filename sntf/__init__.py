@@ -54,24 +54,26 @@ def enable(policy: str = "auto", budget: config.Budgetish = None,
     parsed_budget = config.parse_budget(budget)
     parsed_options = config.parse_options(options)
     if parsed_budget is not None and parsed_budget.bytes is not None:
-        memory = config.device_memory_bytes()
+        from sntf.runtime import environment
+
+        memory = environment.device_memory_bytes()
         if parsed_budget.bytes > memory:
             logger.warning("sntf: budget %d bytes exceeds device memory (%d bytes);"
                            " it can never bind", parsed_budget.bytes, memory)
     with _enable_lock:
-        from sntf import _native, plugin
+        from sntf.runtime import native, plugin
 
-        _native.load_ops()
+        native.load_ops()
         plugin.ensure_loaded()
         if parsed_options.host_pool_limit is not None:
-            _native.set_host_pool_limit(parsed_options.host_pool_limit)
+            native.set_host_pool_limit(parsed_options.host_pool_limit)
         config.set_state(config.State(enabled=True, policy=name,
                                       budget=parsed_budget, options=parsed_options))
         if name != "off":
-            from sntf import keras_batch, xla
+            from sntf.runtime import keras_hooks
 
-            xla.install_keras_guard()
-            keras_batch.install()
+            keras_hooks.install_jit_guard()
+            keras_hooks.install_batch_hook()
 
 
 def disable() -> None:
@@ -97,7 +99,7 @@ def reports() -> list[dict]:
     pass_seconds, swapped, recomputed (None where not yet known), and
     invocations (how often Grappler handed this graph over).
     """
-    from sntf import plugin
+    from sntf.runtime import plugin
 
     return plugin.reports()
 
@@ -116,13 +118,13 @@ def stats() -> dict:
       pool. A pool fallback is a tensor the pool could not hold (its limit
       is below the tensor, or it is full): it stayed in ordinary memory.
     """
-    from sntf import _native
+    from sntf.runtime import native
 
-    swap = _native.swap_stats()
-    swap.update(_native.cache_stats())
-    result = {"pool": _native.pool_stats(), "swap": swap}
+    swap = native.swap_stats()
+    swap.update(native.cache_stats())
+    result = {"pool": native.pool_stats(), "swap": swap}
     try:
-        from sntf import plugin
+        from sntf.runtime import plugin
 
         counters = dict(plugin._shim().counters())
         counters["registered"] = plugin.registered_path()

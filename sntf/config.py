@@ -207,17 +207,16 @@ class Options:
     # fixed cost outweighs the bytes).
     swap_min_bytes: int = 1 << 20
     # Host link bandwidth (bytes/s) that sets the prefetch distance: None
-    # means PCIe 4 x16 (~25 GB/s sustained) on a GPU and a measured memcpy
-    # rate on CPU.
+    # means PCIe 4 x16 (25 GB/s sustained) on a GPU and the cost model's
+    # memory bandwidth on CPU.
     link_bandwidth: Optional[float] = None
     # Policy "auto", when no plan fits the budget: "best_effort" applies the
     # plan of least planned peak, "unchanged" leaves the graph as it is.
     # Either way the report and a warning (logged once) give that peak.
     budget_behaviour: str = "best_effort"
     # Policy "auto": the share of the budget held back for the analysis'
-    # error. Planned peaks measured on this stack came out 1-13% (median 6%)
-    # below the measured ones, so the planner fits the plan under
-    # budget * (1 - budget_margin).
+    # error (BENCHMARKS.md gives planned against measured peaks): the
+    # planner fits the plan under budget * (1 - budget_margin).
     budget_margin: float = 0.10
 
 
@@ -329,68 +328,6 @@ def from_environment(environ: Mapping[str, str] = os.environ
     except (ValueError, OverflowError) as e:
         raise ValueError(f"{ENV_BUDGET}={budget_text!r}: {e}") from None
     return policy, budget
-
-
-def device_memory_bytes(gpu: bool = False) -> int:
-    """Total memory of the device a graph runs on.
-
-    Args:
-      gpu: the graph is placed on a GPU.
-
-    Returns:
-      The first GPU's total memory (cudaMemGetInfo of the CUDA runtime
-      TensorFlow loaded) for a GPU graph; physical RAM for a CPU graph, or
-      when the CUDA runtime cannot be asked (a warning says so once).
-    """
-    if gpu:
-        total = _gpu_memory_bytes()
-        if total:
-            return total
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-_gpu_total: list = []
-
-
-def _gpu_memory_bytes() -> Optional[int]:
-    """cudaMemGetInfo's total for the current GPU, asked once per process
-    (never run here: the development machines have no GPU)."""
-    if not _gpu_total:
-        import ctypes
-        import logging
-
-        total = None
-        for name in ("libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
-            try:
-                runtime = ctypes.CDLL(name)
-            except OSError:
-                continue
-            free, size = ctypes.c_size_t(), ctypes.c_size_t()
-            if runtime.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(size)) == 0:
-                total = size.value
-            break
-        if total is None:
-            logging.getLogger("sntf").warning(
-                "sntf: could not ask the CUDA runtime for the GPU's memory; "
-                "fraction and 'auto' budgets use the host's RAM instead")
-        _gpu_total.append(total)
-    return _gpu_total[0]
-
-
-# Batch size of the input Keras fit() is about to feed (set by sntf.keras's
-# hook before the first step); the pass uses it where a graph's batch
-# dimension is unknown and no batch_size option was given.
-_runtime_batch: list = [None]
-
-
-def set_runtime_batch(batch: Optional[int]) -> None:
-    """Records the batch of the input about to be trained on."""
-    _runtime_batch[0] = batch
-
-
-def runtime_batch() -> Optional[int]:
-    """The batch recorded by set_runtime_batch (None if unknown)."""
-    return _runtime_batch[0]
 
 
 Budgetish = Union[None, int, float, str]

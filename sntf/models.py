@@ -278,7 +278,7 @@ def _densenet(keras, x, depth, growth=12, stem=24):
 _position_embedding_cls = None
 
 
-def _position_embedding(keras):
+def position_embedding(keras):
     """A layer adding a learned position embedding to token embeddings
     (created once, on first use, so that Keras is imported lazily)."""
     global _position_embedding_cls
@@ -308,7 +308,7 @@ def _position_embedding(keras):
 def _transformer(keras, x, depth, dim=128, heads=4, ff=256, dropout=0.1):
     layers = keras.layers
     x = layers.Embedding(VOCAB, dim)(x)
-    x = _position_embedding(keras)(SEQ_LEN, dim)(x)
+    x = position_embedding(keras)(SEQ_LEN, dim)(x)
     for _ in range(depth):
         a = layers.MultiHeadAttention(heads, dim // heads, dropout=dropout)(x, x)
         a = layers.Dropout(dropout)(a)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sntf import _native
+from sntf.runtime import native as _native
 
 
 def swap_out(x, name: str = None):

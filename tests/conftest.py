@@ -14,18 +14,18 @@ import textwrap
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKERS = os.path.join(REPO, "tests", "workers")
-
-
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "slow: heavier end-to-end cases (run by .ci/run; deselect "
-        "with -m 'not slow')")
+WORKERS = os.path.join(REPO, "sntf", "testing", "workers")
 
 
 def _env(extra=None):
     env = dict(os.environ)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # TensorFlow turns its oneDNN rewrites (and the oneDNN CPU allocator,
+    # which keeps the statistics get_memory_info reads) on by default only
+    # on CPUs with AVX-512 VNNI, BF16 or AMX. Fresh processes run with them
+    # on, as on those machines, so that a test means the same on every
+    # machine; a test that needs them off says so.
+    env.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
     env.pop("SNTF_POLICY", None)
     env.pop("SNTF_BUDGET", None)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
@@ -42,14 +42,20 @@ class Completed:
         self.stdout = proc.stdout
         self.stderr = proc.stderr
 
-    def result(self):
-        """The JSON object printed on the last line starting with 'RESULT '."""
+    def result(self, returncode: int = 0):
+        """The JSON object printed on the last line starting with 'RESULT ',
+        from a child that exited with `returncode` (None: any)."""
+        found = None
         for line in reversed(self.stdout.splitlines()):
             if line.startswith("RESULT "):
-                return json.loads(line[len("RESULT "):])
-        raise AssertionError(f"no RESULT line; rc={self.returncode}\n"
-                             f"stdout:\n{self.stdout[-3000:]}\n"
-                             f"stderr:\n{self.stderr[-3000:]}")
+                found = json.loads(line[len("RESULT "):])
+                break
+        if found is None or (returncode is not None and self.returncode != returncode):
+            raise AssertionError(
+                f"{'no RESULT line' if found is None else 'unexpected exit status'}; "
+                f"rc={self.returncode} (expected {returncode})\n"
+                f"stdout:\n{self.stdout[-3000:]}\nstderr:\n{self.stderr[-3000:]}")
+        return found
 
 
 def run_python(code=None, args=None, env=None, timeout=600, cwd=None):
@@ -69,7 +75,7 @@ def fresh_python():
 
 
 def train_worker(fresh_python, out, *args, steps=3, batch=8):
-    """Runs tests/workers/train_keras.py (args: --family F or --model M, and
+    """Runs sntf/testing/workers/train_keras.py (args: --family F or --model M, and
     flags) in a fresh process; returns (its RESULT dict, {weight: array})."""
     import numpy as np
 
@@ -85,3 +91,24 @@ def train_family(fresh_python, out, family, *flags, steps=3, batch=8):
     """train_worker for a family of sntf.models."""
     return train_worker(fresh_python, out, "--family", family, *flags,
                         steps=steps, batch=batch)
+
+
+def assert_identical(base, run, what="") -> None:
+    """A run trained exactly as its baseline did: the same losses, the same
+    weights byte for byte (names, dtypes, bytes), and no error report.
+
+    Args:
+      base, run: (RESULT dict with "losses" and optionally "reports",
+        {weight name: numpy array}) of the baseline and of the run.
+      what: a label for the failure message.
+    """
+    (rb, wb), (r, w) = base, run
+    assert rb["losses"] and len(set(rb["losses"])) > 1 or len(rb["losses"]) == 1, (
+        "the baseline did not train", rb["losses"])
+    assert r["losses"] == rb["losses"], (what, rb["losses"], r["losses"])
+    assert wb and sorted(w) == sorted(wb), (what, sorted(wb), sorted(w))
+    for k in wb:
+        assert w[k].dtype == wb[k].dtype, (what, k)
+        assert w[k].tobytes() == wb[k].tobytes(), (what, k)
+    errors = [rep for rep in (r.get("reports") or []) if rep.get("action") == "error"]
+    assert not errors, (what, errors)

@@ -699,3 +699,19 @@ def mlp_step(widths=(256, 192, 320, 128, 256), batch=512):
         else:
             props[node.name] = [(DT_FLOAT, shapes.get(node.name, ()))]
     return graph_def, props
+
+
+def analyzed(graph_def, fetch, props: dict, batch=None):
+    """A hand-built graph as the planner's stages take it (sntf.analysis.Analyzed)."""
+    from sntf import analysis
+    from sntf import graph as graph_model
+
+    index = graph_model.build_index(graph_def, fetch)
+    return analysis.analyze_graph(graph_def, index, props, batch, threads=None)
+
+
+def context(**settings):
+    """A planning context whose plans are tried with the real rewrite."""
+    from sntf import planner, rewrite
+
+    return planner.Context(evaluate=rewrite.evaluator(None), **settings)

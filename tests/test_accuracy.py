@@ -1,7 +1,7 @@
 """Predicted vs measured peak for six Keras model families (fresh processes).
 
 Each configuration trains two steps of an unchanged Keras model in its own
-process (tests/workers/measure_peak.py) and compares the CPU:0 allocator peak
+process (sntf/testing/workers/measure_peak.py) and compares the CPU:0 allocator peak
 with the predicted peak of the training graph that ran. Measurement set-up:
 BFC CPU allocator (counts every allocation), one inter-op thread, and a
 batched tf.data input without prefetching (identical runs then agree within
@@ -13,16 +13,10 @@ is measured three times and judged by the median run. BENCHMARKS.md holds the
 full table, including the batch size where the prediction misses.
 """
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
-
-from measure_peak import measure  # noqa: E402
-
-from sntf import models  # noqa: E402
+from sntf import models
+from sntf.testing.workers.measure_peak import measure
 
 TOLERANCE = 0.15
 BATCHES = (32, 48)

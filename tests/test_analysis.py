@@ -8,7 +8,9 @@ import pytest
 
 import graphs
 from graphs import DT_FLOAT, DT_RESOURCE, GraphBuilder
-from sntf import analysis, bfc
+from sntf import analysis
+from sntf.analysis import bfc
+from sntf.graph import optable
 from sntf import graph as G
 
 KIB = 1024
@@ -24,7 +26,7 @@ def analyze(g, props, batch=None):
 
 
 def interval(a, g, name, port=0):
-    return a.intervals[(G.build_index(g).node(name), port)]
+    return a.buffer_intervals[(G.build_index(g).node(name), port)]
 
 
 def chain():
@@ -88,7 +90,7 @@ def test_skip_connection_add_reuses_the_skip_buffer():
     assert interval(a, g, "a") == (1, 6)
     assert interval(a, g, "b") == (2, 3)
     assert interval(a, g, "c") == (3, 4)
-    assert (G.build_index(g).node("d"), 0) not in a.intervals
+    assert (G.build_index(g).node("d"), 0) not in a.buffer_intervals
     assert a.timeline.live_bytes == (0, 1 * KIB, 2 * KIB, 3 * KIB, 2 * KIB, 1 * KIB)
     assert a.predicted_peak_bytes == 3 * KIB
 
@@ -102,7 +104,7 @@ def test_aliases_share_one_buffer_and_extend_its_life():
              "c": f32(256), "d": f32(64), "shape": [(graphs.DT_INT32, (1,))]}
     a = analyze(g, props)
     idx = G.build_index(g)
-    assert (idx.node("r"), 0) not in a.intervals         # a view of a
+    assert (idx.node("r"), 0) not in a.buffer_intervals         # a view of a
     start, stop = interval(a, g, "a")
     assert stop == a.schedule.index(idx.node("d"))      # read through the view
 
@@ -157,14 +159,14 @@ def test_training_graph_classes_persistent_and_backward_start():
     # ReluGrad reads in the backward pass.
     relu = a.buffer_of((idx.node(graphs.RELU), 0))
     assert relu == (idx.node(graphs.FWD_MATMUL), 0)
-    assert a.tensor_class[relu] == analysis.ACTIVATION
-    assert a.tensor_class[a.buffer_of((idx.node(graphs.DW), 0))] == analysis.GRADIENT
+    assert a.buffer_class[relu] == analysis.ACTIVATION
+    assert a.buffer_class[a.buffer_of((idx.node(graphs.DW), 0))] == analysis.GRADIENT
     weight = (idx.node(graphs.W_HANDLE), analysis.VARIABLE_PORT)
-    assert a.tensor_class[weight] == analysis.PERSISTENT
+    assert a.buffer_class[weight] == analysis.PERSISTENT
     assert a.persistent_bytes == 1 * KIB + 5 * 256    # W + five scalar consts
     start = a.timeline.backward_start
-    assert a.phases[a.schedule[start]] == G.BACKWARD
-    assert all(a.phases[i] != G.BACKWARD for i in a.schedule[:start])
+    assert a.node_phases[a.schedule[start]] == G.BACKWARD
+    assert all(a.node_phases[i] != G.BACKWARD for i in a.schedule[:start])
     assert set(a.timeline.by_class) == set(analysis.TENSOR_CLASSES)
     for s in range(len(a.schedule)):
         assert a.timeline.live_bytes[s] == sum(a.timeline.by_class[c][s]
@@ -267,9 +269,9 @@ def test_bfc_model_counts_whole_chunks_and_coalesces():
 
 
 def test_op_classes_and_costs():
-    assert analysis.op_class("_FusedConv2D") == analysis.CHECKPOINT
-    assert analysis.op_class("Relu") == analysis.CHEAP
-    assert analysis.op_class("SomeCustomOp") == analysis.UNKNOWN
+    assert optable.op_class("_FusedConv2D") == optable.CHECKPOINT
+    assert optable.op_class("Relu") == optable.CHEAP
+    assert optable.op_class("SomeCustomOp") == optable.UNKNOWN
     # 2*M*N*K for a matmul: out [64, 64] with K = 128.
     t = analysis.op_seconds("MatMul", [64 * 128 * 4, 128 * 64 * 4], [64 * 64 * 4],
                             [(64, 128), (128, 64)], None,
@@ -300,8 +302,8 @@ def test_symbolic_dims_are_solved_from_reshape_tile_and_concat():
     assert resolved["t"][0][1] == (-5, -6, 2, -7)
     assert resolved.counts[("t", 0)] == (8 * 4 * 4 * 2, 1)
     a = analyze(g, props, batch=3)
-    assert a.tensor_bytes[(idx.node("cat"), 0)] == 3 * 8 * 8 * 7 * 4
-    assert a.tensor_bytes[(idx.node("t"), 0)] == 3 * 8 * 4 * 4 * 2 * 4
+    assert a.buffer_bytes[(idx.node("cat"), 0)] == 3 * 8 * 8 * 7 * 4
+    assert a.buffer_bytes[(idx.node("t"), 0)] == 3 * 8 * 4 * 4 * 2 * 4
     # -1 is "unknown" without identity: never solved.
     one = analysis.resolve_symbolic_dims(idx, dict(props, cat=[(DT_FLOAT, (-2, 8, 8, -1))]))
     assert one["cat"][0][1] == (-2, 8, 8, -1)
@@ -318,7 +320,7 @@ def test_a_first_dim_that_is_batch_times_length_is_sized_as_such():
     resolved = analysis.resolve_symbolic_dims(idx, props)
     assert resolved.counts[("m", 0)] == (64 * 16, 1)
     a = analyze(g, props, batch=4)
-    assert a.tensor_bytes[(idx.node("m"), 0)] == 4 * 64 * 16 * 4
+    assert a.buffer_bytes[(idx.node("m"), 0)] == 4 * 64 * 16 * 4
 
 
 def test_each_device_of_a_two_device_graph_gets_its_own_peak():
@@ -362,26 +364,14 @@ def test_a_budget_applies_to_each_gpu_or_to_the_shared_cpu_allocator(kind):
     assert 4 * KIB < a.predicted_peak_bytes < 8 * KIB      # the merged timeline
 
 
-def _check_schedule():
-    """tools/check_schedule.py as a module (its flags are defined on import)."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "tools", "check_schedule.py")
-    spec = importlib.util.spec_from_file_location("check_schedule", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_order_agreement_counts_pairs_run_back_to_back():
     """The diamond of the test above runs x, a, c, b, d, ret; an executed
     order that swaps b and c keeps 2 of its 5 pairs back to back."""
     g = (GraphBuilder().arg("x").op("MaxPool", "a", ["x"])
          .op("MaxPool", "b", ["a"]).op("MaxPool", "c", ["a"])
          .op("MatMul", "d", ["b", "c"]).retval("ret", "d").build())
-    agreement = _check_schedule().order_agreement
+    from sntf.testing.schedule_check import order_agreement as agreement
+
     same = agreement(g, ["x", "a", "c", "b", "d", "ret", "ExecutorState"])
     assert same == {"ops": 6, "in_order": 1.0, "in_order_no_reads": 1.0}
     swapped = agreement(g, ["x", "a", "b", "c", "d", "ret"])
@@ -398,7 +388,7 @@ def test_predicted_schedule_matches_the_executor(fresh_python):
     import os
 
     tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "tools", "check_schedule.py")
+                        "benchmarks", "check_schedule.py")
     result = fresh_python(args=[tool, "--family", "resnet", "--policy", "recompute",
                                 "--mode", "speed", "--batch", "8"]).result()
     assert result["ops"] > 1000

@@ -226,7 +226,9 @@ def test_budget_margin_rejected(value):
 
 def test_cpu_device_memory_is_ram():
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    assert config.device_memory_bytes() == ram
+    from sntf.runtime import environment
+
+    assert environment.device_memory_bytes() == ram
 
 
 # --------------------------------------------------------------------------
@@ -374,7 +376,9 @@ def test_set_state_and_current():
 
 
 def test_device_memory_bytes_positive_int():
-    memory = config.device_memory_bytes()
+    from sntf.runtime import environment
+
+    memory = environment.device_memory_bytes()
     assert type(memory) is int and memory > 0
     assert math.isfinite(memory)
 

@@ -8,7 +8,7 @@ mixed_bfloat16 and a plain GradientTape loop; they are not repeated here.
 
 Every case trains with sntf not imported, then under each policy, then with
 sntf disabled again, all in one fresh process
-(tests/workers/control_flow_cases.py, op determinism on), and every run must
+(sntf/testing/workers/control_flow_cases.py, op determinism on), and every run must
 be bit-identical to the first. Each case's outcome is pinned in EXPECTED:
 rewritten, or passed through with the reason the report gives; a change
 either way fails here and must be reflected in the table (which is also the

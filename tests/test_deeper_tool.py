@@ -1,19 +1,16 @@
-"""tools/deeper.py: the depth search (pure, with fake fits/measure functions)
-and one end-to-end run on a tiny configuration."""
+"""The depth search of benchmarks/deeper.py (sntf.testing.deeper: pure, with
+fake fits/measure functions) and one end-to-end run on a tiny configuration."""
 
 import io
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from conftest import REPO, run_python
 
-sys.path.insert(0, os.path.join(REPO, "tools"))
-
-import deeper  # noqa: E402  (tools/, added to sys.path above)
+from sntf.testing import deeper
 
 MIB = 1 << 20
 
@@ -172,7 +169,7 @@ def test_run_when_nothing_fits():
 
 
 def test_cli_rejects_bad_flags():
-    script = os.path.join(REPO, "tools", "deeper.py")
+    script = os.path.join(REPO, "benchmarks", "deeper.py")
     run = run_python(args=[script, "--budget", "12XB"], timeout=60)
     assert run.returncode != 0 and "invalid budget" in run.stderr
     run = run_python(args=[script, "--budget", "1GiB", "--policy", "bogus"], timeout=60)
@@ -188,7 +185,7 @@ def test_end_to_end_tiny_mlp(tmp_path):
     # 16 MiB budget on either side: both searches stop at depth 1 after two
     # trials, whatever the few-percent noise between runs.
     out = tmp_path / "deeper.json"
-    script = os.path.join(REPO, "tools", "deeper.py")
+    script = os.path.join(REPO, "benchmarks", "deeper.py")
     run = run_python(args=[script, "--family", "mlp", "--batch", "4", "--budget", "16MiB",
                            "--policy", "swap+recompute", "--max_depth", "4",
                            "--out", str(out)], timeout=300)
@@ -196,7 +193,7 @@ def test_end_to_end_tiny_mlp(tmp_path):
     assert ("| mlp | 4 | 16 MiB | 1 | 3 |" in run.stdout), run.stdout
     assert "| swap+recompute | 1 | 3 |" in run.stdout
     assert "(1 timed step) | 1.00x |" in run.stdout
-    assert ("Produced by `python tools/deeper.py --family mlp --batch 4 --budget 16MiB "
+    assert ("Produced by `python benchmarks/deeper.py --family mlp --batch 4 --budget 16MiB "
             "--policy swap+recompute --max_depth 4 --out ") in run.stdout
     assert "sntf depth 2: does not fit" in run.stderr
     data = json.loads(out.read_text())

@@ -4,7 +4,7 @@ MirroredStrategy over two logical CPU devices of one process, and
 MultiWorkerMirroredStrategy with two worker processes on loopback ports,
 each trained with and without sntf in fresh processes (op determinism on)
 and compared bit for bit. The sntf runs keep their GraphDefs
-(keep_graphs=True) and tests/workers/train_distributed.py checks each
+(keep_graphs=True) and sntf/testing/workers/train_distributed.py checks each
 rewritten graph with `check_placement`: every node sntf adds sits on the
 device of the tensor it serves, no new edge crosses devices, and the
 collective all-reduce nodes are exactly as TensorFlow built them.
@@ -21,11 +21,10 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, WORKERS, _env
+from conftest import REPO, WORKERS, _env, assert_identical
 
 WORKER = os.path.join(WORKERS, "train_distributed.py")
-sys.path.insert(0, WORKERS)
-import train_distributed as td  # noqa: E402  (tests/workers; no TensorFlow at import)
+from sntf.testing.workers import train_distributed as td  # noqa: E402
 # Small VGG (3 conv stages of 8/16/16 channels), two steps of a global batch
 # of 16: a full forward/backward/all-reduce/Adam graph per replica in seconds.
 MODEL = ("--family", "vgg", "--depth", "1", "--small", "--steps", "2",
@@ -37,17 +36,6 @@ WORKER_TIMEOUT = 300                          # seconds, per multi-worker run
 def _weights(path) -> dict:
     with np.load(path) as data:
         return {k: data[k].copy() for k in data.files}
-
-
-def _assert_identical(base: tuple, run: tuple, what) -> None:
-    """Same losses and byte-identical weights; the baseline really trained."""
-    (rb, wb), (r, w) = base, run
-    assert len(rb["losses"]) == 2 and rb["losses"][0] != rb["losses"][1], rb
-    assert r["losses"] == rb["losses"], what
-    assert sorted(w) == sorted(wb) and wb, what
-    for k in wb:
-        assert w[k].dtype == wb[k].dtype, (what, k)
-        assert w[k].tobytes() == wb[k].tobytes(), (what, k)
 
 
 def _assert_placement_clean(placement: dict, what) -> None:
@@ -81,7 +69,7 @@ def _node(graph, name, op, device, inputs=(), role=None):
     node.name, node.op, node.device = name, op, device
     node.input.extend(inputs)
     if role:
-        from sntf import names
+        from sntf.graph import names
 
         names.mark(node, role)
     return node
@@ -92,7 +80,7 @@ def test_check_placement_flags_crossings_and_touched_collectives():
     (otherwise the distributed tests below could never fail)."""
     from tensorflow.core.framework import graph_pb2
 
-    from sntf import names
+    from sntf.graph import names
 
     d0, d1 = "/device:CPU:0", "/device:CPU:1"
     original = graph_pb2.GraphDef()
@@ -162,7 +150,7 @@ def _swap_plan(trigger: str):
 
 def test_rewrite_refuses_a_trigger_on_another_device():
     """A control edge from another device deadlocked a two-device step
-    (found by tools/fuzz_pass.py); the rewrite refuses such a plan, so the
+    (found by benchmarks/fuzz_pass.py); the rewrite refuses such a plan, so the
     pass hands the graph back unchanged with the reason."""
     from sntf import planner, rewrite
 
@@ -179,7 +167,8 @@ def test_rewrite_refuses_a_trigger_on_another_device():
 
 def test_rewrite_keeps_swap_edges_on_the_tensors_device():
 
-    from sntf import names, rewrite
+    from sntf import rewrite
+    from sntf.graph import names
 
     g, d0, d1 = _two_devices()
     out = rewrite.apply_plan(g, _swap_plan("trigger1")).graph_def
@@ -222,7 +211,7 @@ def test_mirrored_strategy_rewrites_every_replica_identically(
     result, weights = _mirrored(fresh_python, tmp_path / "p.npz", "--sntf", policy,
                                 *flags)
     assert result["replicas"] == mirrored_baseline[0]["replicas"] == 2
-    _assert_identical(mirrored_baseline, (result, weights), policy)
+    assert_identical(mirrored_baseline, (result, weights), policy)
     for report in _rewritten(result, policy):
         # One graph holds both replicas (Grappler optimizes the function
         # before partitioning it by device); it covers both devices ...
@@ -273,7 +262,7 @@ def run_workers(out_dir, *flags, workers: int = 2,
         for i in range(workers):
             # oneDNN's graph rewrites off, as in every measurement: with
             # them on, the swap planner keeps MaxPool outputs (paired with
-            # their gradients, planner.WORKSPACE_PAIRS), and this small
+            # their gradients, optable.WORKSPACE_PAIRS), and this small
             # model's other swaps would not lower its peak, so nothing of
             # the swap path would run across workers.
             env = _env({"TF_ENABLE_ONEDNN_OPTS": "0", "TF_CONFIG": json.dumps(
@@ -318,7 +307,7 @@ def test_multi_worker_mirrored_strategy_is_rewritten_and_identical(tmp_path):
                        *SMALL_SWAPS)
     for i, (b, r) in enumerate(zip(base, runs)):
         assert b[0]["replicas"] == r[0]["replicas"] == 2
-        _assert_identical(b, r, f"worker {i}")
+        assert_identical(b, r, f"worker {i}")
         # The replicas stay in sync: every worker ends with the same trained
         # weights (BatchNormalization's moving statistics are per replica).
         assert r[0]["trainable"]

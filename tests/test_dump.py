@@ -147,7 +147,10 @@ def test_plan_json_and_graphs_load_back(cnn_dump):
     assert plan["planned_peak_bytes"] == plan["predicted_peak_bytes"]
     assert plan["batch"] == BATCH
     assert plan["nodes"] > 100
-    assert plan["decisions"] == []
+    # Policy "off" moves nothing and says so for every activation it keeps.
+    assert plan["decisions"] and all(
+        d["action"] == "keep" and d["reason"] == "kept: policy 'off'"
+        for d in plan["decisions"])
     graphs = {}
     for name in ("original", "rewritten"):
         graph_def = text_format.Parse((folder / f"{name}.pbtxt").read_text(),
@@ -166,6 +169,10 @@ def test_summary_reports_predicted_and_measured(cnn_dump):
     assert "predicted/measured" in text and "lower bound" in text
     assert "graph_0" in text and "tiny_cnn" in text
     assert "make_data(16)" in text and "not compiled" in text
+    # The stages of the pass, in the order they ran.
+    stages = next(line for line in text.splitlines() if line.startswith("  stages: "))
+    names = [part.split()[0] for part in stages[len("  stages: "):].split(" -> ")]
+    assert names[:5] == ["parse", "index", "detect", "shapes", "analysis"], stages
     assert (out / "summary.txt").read_text() == text
 
 

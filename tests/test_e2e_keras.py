@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import WORKERS
+from conftest import WORKERS, assert_identical
 
 STEPS = 5
 
@@ -32,17 +32,20 @@ def runs(tmp_path_factory):
         "off": _train(run_python, tmp, "off", "--sntf", "off"),
         "identity": _train(run_python, tmp, "identity", "--sntf", "off",
                            "--identity-rewrite"),
+        # Rewritten graphs, in the fast subset too: swaps (through the
+        # tensor cache under a budget) and recomputations.
+        "swap+recompute": _train(run_python, tmp, "swap", "--sntf", "swap+recompute",
+                                 "--swap-min-bytes", "4096"),
+        "budget": _train(run_python, tmp, "budget", "--sntf", "auto",
+                         "--swap-min-bytes", "4096", "--budget", str(600 << 10)),
+        "recompute": _train(run_python, tmp, "recompute", "--sntf", "recompute",
+                            "--recompute-mode", "memory"),
     }
 
 
 def _assert_bit_identical(a, b):
-    (ra, wa), (rb, wb) = a, b
-    assert len(ra["losses"]) == STEPS
-    assert ra["losses"] == rb["losses"]
-    assert sorted(wa) == sorted(wb)
-    for k in wa:
-        assert wa[k].dtype == wb[k].dtype
-        assert wa[k].tobytes() == wb[k].tobytes(), f"weight {k} differs"
+    assert len(a[0]["losses"]) == STEPS
+    assert_identical(a, b)
 
 
 def test_policy_off_is_bit_identical(runs):
@@ -53,6 +56,28 @@ def test_identity_rewrite_through_full_pipeline_is_bit_identical(runs):
     _assert_bit_identical(runs["baseline"], runs["identity"])
     training = [r for r in runs["identity"][0]["reports"] if r["training"]]
     assert training and all(r["action"] == "rewritten" for r in training)
+
+
+@pytest.mark.parametrize("name, swapped, recomputed", [
+    ("swap+recompute", True, None), ("budget", True, None), ("recompute", False, True)])
+def test_rewritten_graphs_train_bit_identically(runs, name, swapped, recomputed):
+    """Runs whose training graph sntf rewrote, compared bit for bit: the
+    reports must show the rewrite, so that a pass-through cannot pass."""
+    assert_identical(runs["baseline"], runs[name], name)
+    result, _ = runs[name]
+    rewritten = [r for r in result["reports"]
+                 if r["training"] and r["action"] == "rewritten"]
+    assert rewritten, result["reports"]
+    if swapped is not None:
+        assert bool(rewritten[-1]["swapped"]) is swapped, rewritten[-1]
+    if recomputed is not None:
+        assert bool(rewritten[-1]["recomputed"]) is recomputed, rewritten[-1]
+    moved = result["stats"]["swap"]
+    if name == "budget":
+        # Under a budget, swaps go through the tensor cache.
+        assert moved["cache_hits"] + moved["cache_misses"] > 0, moved
+    elif swapped:
+        assert moved["swap_out_ops"] > 0 and moved["failed_ops"] == 0, moved
 
 
 def test_training_changed_the_weights(runs):

@@ -1,6 +1,6 @@
 """Property-based fuzzing of the graph pass (issue #7, part 4).
 
-tools/fuzz_pass.py generates random training steps with hypothesis (DAGs of
+sntf.testing.fuzz (run as benchmarks/fuzz_pass.py) generates random training steps with hypothesis (DAGs of
 dense/conv/element-wise/normalization/dropout/pool/concat/split layers with
 skip connections, fixed or unknown batch, one or two devices, random
 policies, recompute modes, budgets and swap thresholds), runs each with sntf
@@ -10,19 +10,16 @@ per graph, and, for every rewritten graph: it indexes, is acyclic, keeps
 its fetch and preserve nodes and every original node, adds nothing across
 devices, and a second pass leaves it alone. The CI runs a few hundred cases
 (strict mode: a failure is shrunk to a minimal spec and fails the test);
-`python tools/fuzz_pass.py --cases 1000` is the benchmark-size run.
+`python benchmarks/fuzz_pass.py --cases 1000` is the benchmark-size run.
 """
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from conftest import REPO
 
-TOOL = os.path.join(REPO, "tools", "fuzz_pass.py")
 CI_CASES = 200
 
 # Cases the fuzzer found, kept as regression tests (replayed one by one):
@@ -122,7 +119,7 @@ REGRESSIONS = {
     # A swap-in between a MaxPool and its MaxPoolGrad: oneDNN pairs the two
     # through a workspace only on a direct edge, and TensorFlow's own
     # gradient kernel broke a tie among equal maxima (after dropout)
-    # differently: one gradient 1 ulp off (planner.WORKSPACE_PAIRS).
+    # differently: one gradient 1 ulp off (optable.WORKSPACE_PAIRS).
     "max pool swapped away from its gradient": {'kind': 'conv',
       'hw': 11,
       'dims': [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 5, 4, 8],
@@ -231,7 +228,7 @@ REGRESSIONS = {
     # Segmented memory-centric recomputation ordered each Conv2DBackpropFilter
     # before every other reader of its output gradient, BiasAddGrad
     # included; oneDNN fuses that pair after Grappler, and with the edge the
-    # bias gradient came out with other bits (planner.INPUT_GRADIENT_OPS).
+    # bias gradient came out with other bits (optable.INPUT_GRADIENT_OPS).
     "filter gradient ordered before its fused bias gradient": {'kind': 'conv',
       'hw': 3,
       'dims': [12, 12, 12, 6, 6, 6, 12, 8, 8, 8, 6],
@@ -307,7 +304,8 @@ def test_cache_swap_of_a_scalar_sets_its_shape_attribute():
     placeholder ("Failed to bind all placeholders")."""
     from tensorflow.core.framework import graph_pb2
 
-    from sntf import names, planner, rewrite
+    from sntf import planner, rewrite
+    from sntf.graph import names
 
     g = graph_pb2.GraphDef()
     for name, op, inputs in [("x", "Placeholder", []), ("count", "Size", ["x"]),
@@ -328,8 +326,8 @@ def test_cache_swap_of_a_scalar_sets_its_shape_attribute():
 
 
 def _tool(fresh_python, *args, timeout: int = 600) -> tuple[int, dict, str]:
-    run = fresh_python(args=[TOOL, "--quiet", *args], timeout=timeout)
-    return run.returncode, run.result(), run.stdout + run.stderr[-3000:]
+    run = fresh_python(args=["-m", "sntf.testing.fuzz", "--quiet", *args], timeout=timeout)
+    return run.returncode, run.result(returncode=None), run.stdout + run.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -354,7 +352,7 @@ def test_the_checks_catch_a_wrong_rewrite(fresh_python):
     """With every rewritten graph deliberately corrupted (an AddV2 turned
     into a Sub, or one activation into another) the same run must fail."""
     rc, result, output = _tool(fresh_python, "--cases", "40", "--seed", "0",
-                               "--inject-fault", "--timeout", "60")
+                               "--inject_fault", "--timeout", "60")
     assert rc == 1, output[-3000:]
     assert result["failures"] >= 1 and result["rewritten"] >= 1, result["counts"]
     problems = [p for f in result["failed_specs"] for p in f["problems"]]
@@ -374,24 +372,23 @@ def test_regression(fresh_python, name):
 # replaced by one that returns a backward op of the *other* device (a planner
 # regression, simulated), and the case must be refused, not deadlocked.
 FORCE_CROSS_DEVICE = """
-import json, sys
-sys.path.insert(0, {tools!r})
-import fuzz_pass
-harness = fuzz_pass.Harness()
+import json
+from sntf.testing import fuzz
+harness = fuzz.Harness()
 spec = json.loads({spec!r})
 plain = harness.run_case(spec, timeout=60)
-from sntf import planner
-original = planner.gradient_ancestor
+from sntf.planner import backward
+original = backward.gradient_ancestor
 
 def elsewhere(g, facts, step_of, reader, seconds, device=None):
     found = original(g, facts, step_of, reader, seconds, None)
     if found is None:
         return None
     others = [n for n in facts.schedule[:step_of[found]]
-              if facts.phases[n] == "backward" and g.devices[n] != g.devices[found]]
+              if facts.node_phases[n] == "backward" and g.devices[n] != g.devices[found]]
     return others[-1] if others else found
 
-planner.gradient_ancestor = elsewhere
+backward.gradient_ancestor = elsewhere
 forced = harness.run_case(spec, timeout=60)
 errors = [r["reason"] for r in harness.sntf.reports() if r["action"] == "error"]
 print("RESULT " + json.dumps({{"plain": plain, "forced": forced, "errors": errors}}))
@@ -404,7 +401,7 @@ def test_a_plan_crossing_devices_is_refused_not_deadlocked(fresh_python):
     two-device step; sntf/rewrite.py refuses such a plan, so the graph runs
     as TensorFlow built it and the report says why."""
     run = fresh_python(FORCE_CROSS_DEVICE.format(
-        tools=os.path.join(REPO, "tools"), spec=json.dumps(TWO_DEVICE_SPEC)),
+        spec=json.dumps(TWO_DEVICE_SPEC)),
         timeout=300)
     result = run.result()
     # As planned (triggers on the tensor's device), the case is rewritten.

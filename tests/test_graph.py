@@ -8,7 +8,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import graphs  # noqa: E402  (the helper module next to this file)
 
-from sntf import graph, names  # noqa: E402
+from sntf import graph  # noqa: E402
+from sntf.graph import names  # noqa: E402
 
 
 def index_of(graph_def, fetch=(), preserve=()):

@@ -69,7 +69,7 @@ def round_up(n):
 def _packaged_library_path():
     try:
         # `import sntf` alone does not import the _native submodule.
-        from sntf import _native  # may not be built yet
+        from sntf.runtime import native as _native  # may not be built yet
 
         # TensorFlow must load the library first: it only sees the ops that
         # register *during* its own load, not in an earlier plain dlopen.

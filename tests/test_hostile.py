@@ -32,7 +32,7 @@ import textwrap
 
 import pytest
 
-from sntf import _native
+from sntf.runtime import native as _native
 
 # A small convolutional training step (relu, moments, a second conv): graphs
 # that recompute and swap act on. Returns (losses, weights as hex).
@@ -221,7 +221,7 @@ def test_plugin_copy_loaded_from_another_path_is_adopted(fresh_python, tmp_path,
         from tensorflow.python.framework import load_library
         {load if when == "before import sntf" else ""}
         import sntf
-        from sntf import plugin
+        from sntf.runtime import plugin
         {load if when == "before enable" else ""}
         before = plugin.registered_path()
         sntf.enable(policy="swap+recompute", swap_min_bytes=0)

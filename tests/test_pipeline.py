@@ -1,4 +1,4 @@
-"""Tests for the graph pass (sntf.pipeline) and its stages: planner, rewrite, names.
+"""Tests for the graph pass (sntf.passes) and its stages: planner, rewrite, names.
 
 run_pass is called directly on serialized GraphDefs; no TensorFlow runtime,
 no Grappler.
@@ -13,7 +13,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import graphs  # noqa: E402  (the helper module next to this file)
 
-from sntf import config, names, pipeline, planner, rewrite  # noqa: E402
+from sntf import config, passes, planner, rewrite  # noqa: E402
+from sntf.graph import names  # noqa: E402
+from sntf.planner import budget as budget_planning  # noqa: E402
 
 REPORT_KEYS = {"graph", "training", "nodes", "action", "reason", "policy",
                "predicted_peak_bytes", "planned_peak_bytes", "lower_bound_bytes",
@@ -34,7 +36,7 @@ def run(graph_def_or_bytes, state=OFF, fetch=("identity_retval",), preserve=()):
     data = graph_def_or_bytes
     if not isinstance(data, bytes):
         data = data.SerializeToString()
-    return pipeline.run_pass(data, list(fetch), list(preserve), state)
+    return passes.run_pass(data, list(fetch), list(preserve), state)
 
 
 def assert_common(report):
@@ -50,12 +52,12 @@ def assert_common(report):
 # --------------------------------------------------------------------------
 
 def test_new_report_has_every_key():
-    report = pipeline.new_report("g", 3)
+    report = passes.new_report("g", 3)
     assert set(report) == REPORT_KEYS
     assert (report["graph"], report["nodes"], report["action"]) == ("g", 3, "unchanged")
     assert report["training"] is False
     assert report["error"] is None
-    assert pipeline.new_report() is not pipeline.new_report()
+    assert passes.new_report() is not passes.new_report()
 
 
 def test_training_graph_policy_off_is_unchanged():
@@ -64,7 +66,7 @@ def test_training_graph_policy_off_is_unchanged():
     report = result.report
     assert_common(report)
     assert set(report) == REPORT_KEYS | {"plan"}
-    assert report["action"] == pipeline.UNCHANGED == "unchanged"
+    assert report["action"] == passes.UNCHANGED == "unchanged"
     assert report["training"] is True
     assert report["reason"] == f"training graph ({MLP_REASON}); {OFF_NOTE}"
     assert report["policy"] == "off"
@@ -77,7 +79,7 @@ def test_training_graph_policy_off_is_unchanged():
     assert report["planned_peak_bytes"] is None
     assert report["lower_bound_bytes"] is None
     assert report["error"] is None
-    assert report["plan"] == planner.make_plan("off").to_dict()
+    assert report["plan"] == planner.identity_plan("off", OFF_NOTE).to_dict()
 
 
 def test_adam_graph_is_training():
@@ -89,7 +91,7 @@ def test_adam_graph_is_training():
 def test_identity_rewrite_returns_equal_graph():
     original = graphs.train_mlp()
     result = run(original, OFF_IDENTITY)
-    assert result.report["action"] == pipeline.REWRITTEN == "rewritten"
+    assert result.report["action"] == passes.REWRITTEN == "rewritten"
     assert result.report["training"] is True
     assert result.report["reason"] == f"training graph ({MLP_REASON}); {OFF_NOTE}"
     assert type(result.graph_def) is type(original)
@@ -113,7 +115,7 @@ def test_non_training_graph_is_skipped(family, why, state):
     assert result.graph_def is None
     report = result.report
     assert_common(report)
-    assert report["action"] == pipeline.SKIPPED == "skipped"
+    assert report["action"] == passes.SKIPPED == "skipped"
     assert report["training"] is False
     assert report["reason"] == f"not a training graph: {why}"
     assert report["nodes"] == len(family().node)
@@ -141,7 +143,7 @@ def test_garbage_bytes_report_error(data):
     assert result.graph_def is None
     report = result.report
     assert_common(report)
-    assert report["action"] == pipeline.ERROR == "error"
+    assert report["action"] == passes.ERROR == "error"
     assert report["reason"].startswith("DecodeError: ")
     assert report["error"].startswith("Traceback (most recent call last):")
     assert "DecodeError" in report["error"]
@@ -151,7 +153,7 @@ def test_garbage_bytes_report_error(data):
 
 
 def test_not_bytes_reports_error():
-    result = pipeline.run_pass(None, [], [], OFF)
+    result = passes.run_pass(None, [], [], OFF)
     assert result.graph_def is None
     assert result.report["action"] == "error"
     assert result.report["reason"].startswith("TypeError: ")
@@ -243,8 +245,8 @@ def test_report_lists_devices_and_fetch():
 
 def test_run_pass_is_deterministic():
     data = graphs.adam_style_train().SerializeToString()
-    first = pipeline.run_pass(data, ["identity_retval"], [], OFF_IDENTITY)
-    second = pipeline.run_pass(data, ["identity_retval"], [], OFF_IDENTITY)
+    first = passes.run_pass(data, ["identity_retval"], [], OFF_IDENTITY)
+    second = passes.run_pass(data, ["identity_retval"], [], OFF_IDENTITY)
     for report in (first.report, second.report):
         report.pop("pass_seconds")
         assert set(report.pop("stage_seconds")) == {"parse", "index", "detect",
@@ -343,17 +345,23 @@ def test_plan_to_json_round_trips():
 def test_identity_and_off_plans():
     assert planner.identity_plan("off") == planner.Plan(policy="off")
     assert planner.identity_plan("swap", "why") == planner.Plan("swap", notes=("why",))
-    plan = planner.make_plan("off")
-    assert plan == planner.Plan("off", notes=(OFF_NOTE,))
-    assert plan.changes_graph is False
+    assert planner.policies.OFF_NOTE == OFF_NOTE
+    assert planner.identity_plan("off", OFF_NOTE).changes_graph is False
 
 
-@pytest.mark.parametrize("policy", ["recompute", "swap", "swap+recompute", "auto"])
-def test_make_plan_plans_only_off(policy):
-    with pytest.raises(ValueError) as excinfo:
-        planner.make_plan(policy)
-    assert str(excinfo.value) == (f"policy {policy!r} is planned by the pipeline's "
-                                  "stages, not by make_plan")
+def test_user_policies_are_compositions_of_two_questions():
+    from sntf.planner import policies
+
+    table = policies.POLICIES
+    assert set(table) == set(config.POLICIES)
+    assert isinstance(table["off"], policies.Keep)
+    assert table["recompute"] == policies.Then((policies.RECOMPUTE_STAGE,))
+    assert table["swap"] == policies.Then((policies.SWAP_STAGE,))
+    assert table["swap+recompute"] == policies.LowerOf((
+        policies.Then((policies.RECOMPUTE_STAGE, policies.SWAP_STAGE)),
+        policies.Then((policies.SWAP_STAGE,))))
+    assert table["auto"].fallback is table["swap+recompute"]
+    assert table["auto"].parts == (policies.RECOMPUTE_STAGE, policies.SWAP_STAGE)
 
 
 # --------------------------------------------------------------------------
@@ -363,7 +371,7 @@ def test_make_plan_plans_only_off(policy):
 def test_apply_plan_copies_without_mutating():
     gd = graphs.adam_style_train()
     before = gd.SerializeToString(deterministic=True)
-    result = rewrite.apply_plan(gd, planner.make_plan("off"))
+    result = rewrite.apply_plan(gd, planner.identity_plan("off", OFF_NOTE))
     assert gd.SerializeToString(deterministic=True) == before
     assert result.modified is False
     assert result.graph_def == gd
@@ -464,32 +472,35 @@ def test_role_of_undecodable_bytes():
     (100 << 20, 200 << 20, 32),         # over budget: the floor, never 0
 ])
 def test_cudnn_workspace_limit_is_the_headroom(budget, peak, expected):
-    assert pipeline.cudnn_workspace_limit_mb(budget, peak) == expected
+    assert budget_planning.cudnn_workspace_limit_mb(budget, peak) == expected
 
 
 def test_cudnn_workspace_limit_is_set_for_gpu_graphs_only_once_and_not_over_the_user(
         monkeypatch):
-    monkeypatch.delenv(pipeline.CUDNN_WORKSPACE_ENV, raising=False)
-    monkeypatch.setattr(pipeline, "_cudnn_set_by_sntf", [""])
-    pipeline._set_cudnn_workspace_limit(512)
-    assert os.environ[pipeline.CUDNN_WORKSPACE_ENV] == "512"
-    pipeline._set_cudnn_workspace_limit(256)          # sntf's own value: updated
-    assert os.environ[pipeline.CUDNN_WORKSPACE_ENV] == "256"
-    monkeypatch.setenv(pipeline.CUDNN_WORKSPACE_ENV, "64")   # the user's value
-    pipeline._set_cudnn_workspace_limit(1024)
-    assert os.environ[pipeline.CUDNN_WORKSPACE_ENV] == "64"
+    from sntf.runtime import environment
+
+    name = passes.CUDNN_WORKSPACE_ENV
+    monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(environment, "_set_by_sntf", {})
+    environment.apply_settings({name: 512})
+    assert os.environ[name] == "512"
+    environment.apply_settings({name: 256})          # sntf's own value: updated
+    assert os.environ[name] == "256"
+    monkeypatch.setenv(name, "64")                   # the user's value
+    environment.apply_settings({name: 1024})
+    assert os.environ[name] == "64"
 
 
 def test_a_training_graph_is_deferred_to_the_last_call_and_nothing_else():
     data = graphs.train_mlp().SerializeToString()
     recompute = config.State(enabled=True, policy="recompute")
-    first = pipeline.run_pass(data, ["identity_retval"], [], recompute, defer=True)
+    first = passes.run_pass(data, ["identity_retval"], [], recompute, defer=True)
     assert first.deferred and first.graph_def is None
-    assert first.report["training"] and pipeline.DEFERRED in first.report["reason"]
-    assert first.report["action"] == pipeline.UNCHANGED
+    assert first.report["training"] and passes.DEFERRED in first.report["reason"]
+    assert first.report["action"] == passes.UNCHANGED
     # Policy "off", graphs that are not training steps: nothing to wait for.
-    assert not pipeline.run_pass(data, ["identity_retval"], [], OFF, defer=True).deferred
+    assert not passes.run_pass(data, ["identity_retval"], [], OFF, defer=True).deferred
     forward = graphs.forward_only().SerializeToString()
-    assert not pipeline.run_pass(forward, [], [], recompute, defer=True).deferred
-    later = pipeline.run_pass(data, ["identity_retval"], [], recompute)
-    assert not later.deferred and pipeline.DEFERRED not in later.report["reason"]
+    assert not passes.run_pass(forward, [], [], recompute, defer=True).deferred
+    later = passes.run_pass(data, ["identity_retval"], [], recompute)
+    assert not later.deferred and passes.DEFERRED not in later.report["reason"]

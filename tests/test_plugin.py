@@ -5,7 +5,9 @@ import shutil
 import pytest
 
 import sntf
-from sntf import _native, config, plugin
+from sntf import config
+from sntf.runtime import native as _native
+from sntf.runtime import plugin
 
 # A tiny training step used by the subprocess scenarios: returns the loss of
 # a few SGD steps so that results can be compared with and without sntf.
@@ -55,14 +57,20 @@ def test_bad_policy_is_a_value_error_listing_policies(policy):
     assert "'swap+recompute'" in str(e.value) and "'off'" in str(e.value)
 
 
-@pytest.mark.parametrize("policy", ["off", "recompute", "swap", "swap+recompute",
-                                    "auto"])
-def test_every_policy_enables(policy):
-    try:
-        sntf.enable(policy=policy)
-        assert sntf.enabled() and config.current().policy == policy
-    finally:
-        sntf.enable(policy="off")
+def test_every_policy_enables(fresh_python):
+    # In a fresh process: enabling loads the plugin, which this process keeps.
+    run = fresh_python("""
+        import json, sntf
+        from sntf import config
+        states = []
+        for policy in config.POLICIES:
+            sntf.enable(policy=policy)
+            states.append([sntf.enabled(), config.current().policy])
+        sntf.disable()
+        states.append([sntf.enabled(), config.current().policy])
+        print("RESULT " + json.dumps(states))
+    """)
+    assert run.result() == [[True, p] for p in config.POLICIES] + [[False, "off"]]
 
 
 def test_unknown_option_is_a_type_error():
@@ -143,7 +151,7 @@ def test_second_registration_from_another_path_stays_inactive(fresh_python, tmp_
     shutil.copy(_native.plugin_library_path(), copy)
     run = fresh_python(_script(f"""
 import sntf
-from sntf import _native
+from sntf.runtime import native as _native
 from tensorflow.python.framework import load_library
 sntf.enable(policy="off")
 load_library.load_pluggable_device_library(_native.plugin_library_path())  # same path: no-op
@@ -165,7 +173,7 @@ def test_library_auto_loaded_through_environment_path(fresh_python):
     run = fresh_python(_script("""
 import tensorflow as tf              # loads the plugin from the variable below
 import sntf
-from sntf import plugin
+from sntf.runtime import plugin
 before = plugin.registered_path()
 sntf.enable(policy="off")
 losses, w = train()
@@ -186,7 +194,7 @@ def test_library_auto_loaded_from_tensorflow_plugins_folder(fresh_python, tmp_pa
     run = fresh_python(_script("""
 import tensorflow as tf
 import sntf
-from sntf import plugin
+from sntf.runtime import plugin
 before = plugin.registered_path()
 sntf.enable(policy="off")
 losses, w = train()
@@ -233,7 +241,7 @@ print("RESULT " + json.dumps({"losses": losses, "w": w}))
 """)).result()
     run = fresh_python(_script("""
 import sntf
-from sntf import plugin
+from sntf.runtime import plugin
 sntf.enable(policy="off")
 def broken(*args):
     raise KeyboardInterrupt("entry point failure")
@@ -252,10 +260,10 @@ print("RESULT " + json.dumps({"losses": losses, "w": w,
 def test_static_output_properties_reach_the_pass(fresh_python):
     run = fresh_python(_script("""
 import sntf
-from sntf import pipeline
+from sntf import passes
 from tensorflow.core.grappler.costs import op_performance_data_pb2 as perf
 seen = {}
-original = pipeline.run_pass
+original = passes.run_pass
 def spy(graph_bytes, fetch, preserve, state, properties=None, in_use=None,
         **kwargs):
     from tensorflow.core.framework import graph_pb2
@@ -270,7 +278,7 @@ def spy(graph_bytes, fetch, preserve, state, properties=None, in_use=None,
     spy.late = properties
     return original(graph_bytes, fetch, preserve, state, properties, in_use,
                     **kwargs)
-pipeline.run_pass = spy
+passes.run_pass = spy
 sntf.enable(policy="off")
 losses, w = train()
 try:
@@ -318,7 +326,7 @@ def test_forked_child_is_registered_and_enable_does_not_abort(fresh_python, tmp_
     run = fresh_python(_script("""
 import os
 import sntf
-from sntf import plugin
+from sntf.runtime import plugin
 pid = os.fork()
 if pid == 0:
     # The child inherits TensorFlow's optimizer registry: loading sntf's own
@@ -347,16 +355,16 @@ def test_budget_without_policy_means_auto(fresh_python):
 
 
 def test_clear_reports_starts_every_thread_afresh():
-    from sntf import pipeline
+    from sntf import passes
 
     plugin.clear_reports()
-    first = pipeline.new_report("g")
+    first = passes.new_report("g")
     plugin._record(first, b"key", 10)
     plugin.clear_reports()
-    again = pipeline.new_report("g")
+    again = passes.new_report("g")
     plugin._record(again, b"key", 10)     # same graph key, but a new generation
     assert plugin.reports() == [again]
     assert again["invocations"] == 1
-    plugin._record(pipeline.new_report("g"), b"key", 10)   # second iteration
+    plugin._record(passes.new_report("g"), b"key", 10)   # second iteration
     assert len(plugin.reports()) == 1 and plugin.reports()[0]["invocations"] == 2
     plugin.clear_reports()

@@ -3,18 +3,18 @@ with every mode on the six model families, and memory-centric's measured peak
 on a deep ResNet (fresh processes)."""
 
 import dataclasses
-import sys
 
 import pytest
 
-from conftest import WORKERS, train_family
-from graphs import (DT_BOOL, DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder, mlp_step,
-                    properties_fn)
-from sntf import analysis, config, names, pipeline, planner, rewrite
+from conftest import assert_identical, train_family
+from graphs import (DT_BOOL, DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder, analyzed,
+                    context, mlp_step, properties_fn)
+from sntf import analysis, config, passes, planner, rewrite
+from sntf.graph import names
 from sntf import graph as G
 
-sys.path.insert(0, WORKERS)
-from measure_peak import measure  # noqa: E402  (tests/workers)
+from sntf.planner import modes  # noqa: E402
+from sntf.testing.workers.measure_peak import measure  # noqa: E402
 
 
 def pool_step(cond: str = ""):
@@ -22,7 +22,7 @@ def pool_step(cond: str = ""):
 
     p stands for a pooling layer (its static shape is a quarter of r's), a
     cheap op whose gradient reads its output; MaxPool itself is never
-    recomputed (see planner.NEVER_RECOMPUTE_OPS). The backward pass reads p
+    recomputed (see optable.NEVER_RECOMPUTE_OPS). The backward pass reads p
     (SigmoidGrad), so p is kept from forward to backward unless it is
     recomputed from r, which the backward pass reads anyway.
 
@@ -135,8 +135,10 @@ def test_a_conditional_is_left_alone_and_the_rest_planned(cond):
                  planner.plan_swap(idx, facts, _dtypes(idx), 1, 1e9,
                                    frozenset(idx.fetch))):
         assert any("control flow present" in n for n in plan.notes), plan.notes
-        touched = {d.tensor for d in plan.decisions}
+        touched = {d.tensor for d in planner.acting(plan.decisions)}
+        kept = {d.tensor: d.reason for d in plan.decisions if d.action == planner.KEEP}
         if forward_cond:
+            assert "under control flow" in kept["p:0"], kept
             # p may be dead: neither recomputed nor swapped; r is read by the
             # Switch, so it stays as it is too.
             assert not touched & {"p:0", "r:0"}, touched
@@ -186,14 +188,14 @@ def test_a_tensor_computed_in_place_is_recomputed_as_its_buffer():
     plan = planner.plan_recompute(idx, facts, "speed", frozenset(idx.fetch))
     assert [x.tensor for x in plan.recomputes] == ["r:0"]
     assert plan.recomputes[0].chain == ("m", "r")
-    assert plan.decisions[0].bytes_saved == facts.tensor_bytes[m]
+    assert plan.decisions[0].bytes_saved == facts.buffer_bytes[m]
     # The rewritten graph no longer keeps m's buffer into the backward pass.
     out = rewrite.apply_plan(g, plan).graph_def
     new_idx = G.build_index(out, ["ret"])
-    new_facts = analysis.analyze(new_idx, pipeline._with_generated(props, new_idx))
+    new_facts = analysis.analyze(new_idx, analysis.with_generated(props, new_idx))
     backward_start = new_facts.timeline.backward_start
-    assert facts.intervals[m][1] > facts.timeline.backward_start
-    assert new_facts.intervals[(new_idx.node("m"), 0)][1] < backward_start
+    assert facts.buffer_intervals[m][1] > facts.timeline.backward_start
+    assert new_facts.buffer_intervals[(new_idx.node("m"), 0)][1] < backward_start
 
 
 def test_rewrite_clones_holds_back_and_rewires():
@@ -223,7 +225,7 @@ def test_pass_keeps_a_graph_the_plan_would_not_improve_and_is_idempotent():
                          options=config.Options(recompute_mode="speed"))
     properties = properties_fn(_props(g))
 
-    first = pipeline.run_pass(g.SerializeToString(), ["ret"], [], state, properties)
+    first = passes.run_pass(g.SerializeToString(), ["ret"], [], state, properties)
     # Re-running p does not lower this graph's predicted peak (the peak is
     # elsewhere), so the pass keeps the graph and says why.
     assert first.graph_def is None
@@ -233,7 +235,7 @@ def test_pass_keeps_a_graph_the_plan_would_not_improve_and_is_idempotent():
     # A graph sntf already rewrote is recognized and left alone.
     _, _, plan = plan_for("speed")
     rewritten = rewrite.apply_plan(g, plan).graph_def
-    again = pipeline.run_pass(rewritten.SerializeToString(), ["ret"], [], state,
+    again = passes.run_pass(rewritten.SerializeToString(), ["ret"], [], state,
                               properties)
     assert again.graph_def is None and "already rewritten" in again.report["reason"]
 
@@ -244,30 +246,29 @@ def test_unknown_mode_is_rejected():
     with pytest.raises(ValueError):
         plan_for("fast")
     # "auto" chooses between the planner's two modes on the planned
-    # timeline, in the pipeline; the planner itself refuses it.
+    # timeline, in sntf.planner.modes; plan_recompute itself refuses it.
     with pytest.raises(ValueError):
         plan_for("auto")
 
 
 def test_auto_mode_plans_on_the_planned_timeline():
     g = scaled_step()
-    idx = G.build_index(g, ["ret"])
     props = _props(g)
     props.update(s=[(DT_FLOAT, ())], v=[(DT_RESOURCE, ())])
     props["grad/s"] = [(DT_FLOAT, ())]
     props["sgd/update_s"] = []
-    facts = analysis.analyze(idx, props)
-    plan, planned = pipeline._auto_recompute(g, idx, facts, props, frozenset(idx.fetch))
+    base, ctx = analyzed(g, ["ret"], props), context()
+    plan, planned = modes.auto_recompute(base, ctx)
     assert plan.notes[0].startswith("recompute (auto): 1 tensor(s), speed-centric")
     assert [r.tensor for r in plan.recomputes] == ["r:0"]
     # What comes back is the analysis of exactly that plan's graph.
-    again = pipeline._planned(plan, g, idx, props, facts.batch)
+    again = ctx.evaluate(plan, base)
     assert planned.facts.predicted_peak_bytes == again.facts.predicted_peak_bytes
     assert planned.index.names == again.index.names
     # The pass keeps or drops it on that analysis, and says which.
     state = config.State(enabled=True, policy="recompute",
                          options=config.Options(recompute_mode="auto"))
-    report = pipeline.run_pass(g.SerializeToString(), ["ret"], [], state,
+    report = passes.run_pass(g.SerializeToString(), ["ret"], [], state,
                                properties_fn(props)).report
     assert ("recompute (auto)" in report["reason"]
             or "would not fall" in report["reason"]), report["reason"]
@@ -276,15 +277,15 @@ def test_auto_mode_plans_on_the_planned_timeline():
 
 def test_the_lower_of_two_release_orders_is_kept(monkeypatch):
     """Release points picked on the executor order and on the order with
-    consumers last first: the pipeline keeps the plan planned lower, and a
+    consumers last first: the planner keeps the plan planned lower, and a
     plan that changes nothing only when neither changes anything."""
     g = pool_step()
     idx = G.build_index(g, ["ret"])
     props = _props(g)
     facts = analysis.analyze(idx, props)
-    real = pipeline._planned(planner.plan_recompute(idx, facts, "speed",
-                                                    frozenset(idx.fetch)),
-                             g, idx, props, facts.batch)
+    base = analyzed(g, ["ret"], props)
+    real = context().evaluate(planner.plan_recompute(idx, facts, "speed",
+                                                     frozenset(idx.fetch)), base)
     orders = []
 
     def plan_recompute(index, facts, mode, protected, memory_tensors, order=None,
@@ -293,7 +294,7 @@ def test_the_lower_of_two_release_orders_is_kept(monkeypatch):
         return planner.Plan(policy="recompute", notes=(f"order {len(orders)}",))
 
     def with_peaks(*peaks):
-        """_planned giving each call's plan the next peak (None: no change)."""
+        """An evaluate giving each call's plan the next peak (None: no change)."""
         it = iter(peaks)
 
         def planned(plan, *args):
@@ -305,14 +306,13 @@ def test_the_lower_of_two_release_orders_is_kept(monkeypatch):
             return dataclasses.replace(real, facts=facts_)
         return planned
 
-    monkeypatch.setattr(pipeline.planner, "plan_recompute", plan_recompute)
+    monkeypatch.setattr(modes, "plan_recompute", plan_recompute)
     for peaks, chosen in (((200, 100), "order 2"), ((100, 200), "order 1"),
                           ((100, 100), "order 1"), ((None, 300), "order 2"),
                           ((300, None), "order 1"), ((None, None), "order 1")):
         orders.clear()
-        monkeypatch.setattr(pipeline, "_planned", with_peaks(*peaks))
-        plan, planned = pipeline._lowest_recompute(g, idx, facts, props, "speed",
-                                                   frozenset(idx.fetch))
+        ctx = planner.Context(evaluate=with_peaks(*peaks))
+        plan, planned = modes.lowest_recompute(base, ctx, "speed")
         assert plan.notes == (chosen,), (peaks, plan.notes)
         assert orders[0] is None
         assert orders[1] == analysis.schedule(idx, consumers_last_first=True)
@@ -354,6 +354,13 @@ def test_densenet_memory_centric_stays_below_speed_centric_after_the_first_step(
     assert abs(planned - 1.0) <= 0.15, planned
 
 
+# The MLP's Dense layers with ReLU are one fused op each (TensorFlow's
+# remapper makes a _FusedMatMul of MatMul, BiasAdd and Relu): the paper's
+# rule finds no cheap tensor (speed and auto leave the graph), only segments
+# that re-run the fused MatMuls save anything.
+EXPECTED_RECOMPUTE = {("mlp", "speed"): "unchanged", ("mlp", "auto"): "unchanged"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["mlp", "vgg", "resnet", "densenet",
                                     "transformer", "mobilenet"])
@@ -363,22 +370,17 @@ def test_every_mode_trains_bit_identically(fresh_python, tmp_path, family):
     for mode in ("speed", "memory", "auto"):
         result, got = train_family(fresh_python, tmp_path / f"{mode}.npz", family,
                              "--sntf", "recompute", "--recompute-mode", mode)
-        assert result["losses"] == base["losses"], (family, mode)
-        for k in weights:
-            assert got[k].tobytes() == weights[k].tobytes(), (family, mode, k)
+        assert_identical((base, weights), (result, got), (family, mode))
         training = [r for r in result["reports"] if r["training"]]
-        assert training and all(r["action"] in ("rewritten", "unchanged")
-                                for r in training)
-        # Either the graph was rewritten, or the report says why not (no
-        # cheap tensor, or a plan that would not lower the predicted peak).
-        for r in training:
-            assert (r["action"] == "rewritten" or "recomput" in r["reason"]
-                    or "already rewritten" in r["reason"]), r
-        if family == "vgg":
-            assert any(r["action"] == "rewritten" for r in training), training
+        # What each mode does to each family at batch 8, pinned: a pass that
+        # rewrote nothing cannot pass for an identical rewrite.
+        expected = EXPECTED_RECOMPUTE.get((family, mode), "rewritten")
+        assert training and training[-1]["action"] == expected, (family, mode, training)
+        if expected == "rewritten":
+            assert training[-1]["recomputed"], training[-1]
         planned[mode] = {r["graph"]: r["planned_peak_bytes"] for r in training}
-    # Memory-centric is never planned above speed-centric (pipeline's
-    # _memory_recompute falls back to the speed-centric plan).
+    # Memory-centric is never planned above speed-centric
+    # (sntf.planner.modes.memory_recompute falls back to the speed plan).
     for graph_name, peak in planned["memory"].items():
         speed = planned["speed"].get(graph_name)
         if peak is not None and speed is not None:
@@ -438,7 +440,7 @@ def test_segments_keep_the_input_of_each_residual_block():
     def recomputable(i):
         return idx.ops[i] in ("MatMul", "Relu", "AddV2")
 
-    kept = planner._segment_inputs(idx, facts, recomputable, 2)
+    kept = planner.segment_inputs(idx, facts, recomputable, 2)
     assert {idx.names[i] for i in kept} == {"h1", "a1", "a2"}
 
 
@@ -527,10 +529,9 @@ def test_clones_reading_a_variable_hold_back_its_update():
     assert any(names.recompute_source(t.lstrip("^")) == "pre1" for t in update.input
                if t.startswith("^"))
     assert not G.build_index(ordered, ["ret"]).has_cycles
-    # The pipeline's recompute stage adds them.
-    state = config.State(policy="recompute",
-                         options=config.Options(recompute_mode="memory"))
-    chosen, planned = pipeline._stage_plan("recompute", g, idx, facts, props, state, None)
+    # The planner's recompute stage adds them.
+    chosen, planned = modes.recompute(analyzed(g, ["ret"], props),
+                                      context(recompute_mode="memory"))
     assert "edge(s) ordering variable updates after" in chosen.notes[0]
     assert planner.plan_update_order(planned.index) == ()
 
@@ -551,7 +552,7 @@ def test_with_segments_shape_readers_keep_the_original():
     props["grad/shape"] = [(DT_INT32, (1,))]
     props["grad/seed_r"] = [(DT_FLOAT, (256,))]
     facts = analysis.analyze(idx, props)
-    assert facts.phases[idx.node("grad/shape")] == G.BACKWARD
+    assert facts.node_phases[idx.node("grad/shape")] == G.BACKWARD
     # Under the paper's rule a tensor whose shape the backward pass reads
     # is kept (see plan_recompute).
     assert not planner.plan_recompute(idx, facts, "memory",

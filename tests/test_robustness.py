@@ -5,18 +5,10 @@ that says why; none fails (fresh processes, op determinism on)."""
 
 import pytest
 
-from conftest import train_family, train_worker
+from conftest import assert_identical, train_family, train_worker
 
 POLICIES = ("recompute", "swap+recompute")
 SMALL_SWAPS = ("--swap-min-bytes", "4096")    # batch 8: small activations
-
-
-def _assert_identical(base, weights, result, got, what):
-    assert result["losses"] == base["losses"], what
-    assert got.keys() == weights.keys()
-    for k in weights:
-        assert got[k].tobytes() == weights[k].tobytes(), (what, k)
-    assert not [r for r in result["reports"] if r["action"] == "error"], what
 
 
 @pytest.mark.slow
@@ -30,18 +22,21 @@ def test_mixed_precision_is_rewritten_and_identical(fresh_python, tmp_path, fami
     for policy in POLICIES:
         result, got = train_family(fresh_python, tmp_path / "p.npz", family, *flags,
                                    "--sntf", policy, *SMALL_SWAPS)
-        _assert_identical(base, weights, result, got, (family, policy))
+        assert_identical((base, weights), (result, got), (family, policy))
         training = [r for r in result["reports"] if r["training"]]
         # Keras' loss-scale optimizer (mixed_float16) applies the gradients
         # under a tf.cond: detected through its Switch, the step is
-        # rewritten around the conditional (sntf/graph.py).
+        # rewritten around the conditional (sntf.graph.regions).
         assert training, result["reports"]
-        if policy == "swap+recompute":
-            assert any(r["action"] == "rewritten" for r in training), training
+        last = training[-1]
+        if (family, precision, policy) == ("resnet", "mixed_float16", "recompute"):
+            # Under the loss-scale optimizer's tf.cond, recomputation planned
+            # higher than TensorFlow's own graph: the report says so.
+            assert last["action"] == "unchanged", last
+            assert "would not fall" in last["reason"], last["reason"]
         else:
-            # Rewritten, or a plan the analysis rejected, with the figures.
-            assert all(r["action"] == "rewritten" or "would not fall" in r["reason"]
-                       or "already rewritten" in r["reason"] for r in training), training
+            assert last["action"] == "rewritten", last
+            assert last["swapped"] or last["recomputed"], last
 
 
 def _train_model(fresh_python, out, model, *flags):
@@ -54,10 +49,12 @@ def test_recurrent_model_is_identical_and_says_what_it_did(fresh_python, tmp_pat
     for policy in POLICIES:
         result, got = _train_model(fresh_python, tmp_path / "p.npz", "lstm",
                                    "--sntf", policy, *SMALL_SWAPS)
-        _assert_identical(base, weights, result, got, policy)
-        for r in result["reports"]:
-            if r["training"] and r["action"] != "rewritten":
-                assert r["reason"], r        # passed through, with the reason
+        assert_identical((base, weights), (result, got), policy)
+        # The LSTM's step is a while loop, which the pass does not model: it
+        # is passed through, and the report says why.
+        training = [r for r in result["reports"] if r["training"]]
+        assert training and all(r["action"] == "unchanged" for r in training)
+        assert "control flow present (a loop)" in training[-1]["reason"], training
 
 
 @pytest.mark.slow
@@ -69,12 +66,16 @@ def test_custom_gradient_tape_loop_is_rewritten_and_identical(fresh_python, tmp_
     for policy in POLICIES:
         result, got = _train_model(fresh_python, tmp_path / "p.npz", model,
                                    "--custom-loop", "--sntf", policy, *SMALL_SWAPS)
-        _assert_identical(base, weights, result, got, (model, policy))
+        assert_identical((base, weights), (result, got), (model, policy))
         training = [r for r in result["reports"] if r["training"]]
         assert training, result["reports"]
-        if model == "cnn" and policy == "swap+recompute":
-            assert any(r["action"] == "rewritten" for r in training), training
-        elif model == "cnn":
-            # Rewritten, or a plan the analysis rejected, with the figures.
-            assert all(r["action"] == "rewritten" or "would not fall" in r["reason"]
-                       for r in training), training
+        last = training[-1]
+        if model == "cnn":
+            assert last["action"] == "rewritten", last
+            assert (last["swapped"] if policy == "swap+recompute"
+                    else last["recomputed"]), last
+        else:
+            # Dense layers with ReLU are fused ops (no cheap tensor), and the
+            # activations at batch 8 are below the swap threshold.
+            assert last["action"] == "unchanged", last
+            assert "nothing to recompute" in last["reason"], last["reason"]

@@ -2,19 +2,18 @@
 with "swap" and "swap+recompute" on the six model families (fresh processes);
 a 200-step soak without pool or peak growth."""
 
-import dataclasses
 import os
-import sys
 
 import pytest
 
-from conftest import WORKERS, train_family
+from conftest import assert_identical, train_family
 from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder, properties_fn
-from sntf import analysis, config, names, pipeline, planner, rewrite
+from sntf import analysis, config, passes, planner, rewrite
+from sntf.graph import names
+from sntf.planner import budget as budget_planning
 from sntf import graph as G
 
-sys.path.insert(0, WORKERS)
-import measure_peak  # noqa: E402  (tests/workers)
+from sntf.testing.workers import measure_peak  # noqa: E402
 
 MIB = 1 << 20
 
@@ -73,7 +72,12 @@ def test_plan_swaps_the_large_tensor_the_backward_pass_reads():
     # tensor in it that the backward pass reads, so parking h1 frees it.
     assert facts.buffer_of((idx.node("h1"), 0)) == (idx.node("h1_pre"), 0)
     assert [s.tensor for s in plan.swaps] == ["h1:0"]
-    assert [d.tensor for d in plan.decisions] == ["h1:0"]
+    assert plan.tensors(planner.SWAP) == ["h1:0"]
+    # Every other forward tensor the backward pass reads is kept, and the
+    # plan says why: the loss is a scalar (4 bytes, one 256-byte allocator
+    # granule), far below swap_min_bytes.
+    kept = {d.tensor: d.reason for d in plan.decisions if d.action == planner.KEEP}
+    assert kept == {"loss:0": "swap: 256 bytes, below swap_min_bytes (1048576)"}
     swap = plan.swaps[0]
     assert swap.dtype == DT_FLOAT
     readers = sorted(c for g_ in swap.groups for c in g_.consumers)
@@ -88,7 +92,7 @@ def test_plan_swaps_the_large_tensor_the_backward_pass_reads():
 def test_a_max_pool_read_by_its_gradient_is_swapped_only_without_onednn(onednn):
     """dense_step with h1 = MaxPool(h1_pre) and its gradient MaxPoolGrad(
     h1_pre, h1, dy): oneDNN pairs the two through a workspace only while
-    MaxPoolGrad reads h1 straight from the MaxPool (tools/fuzz_pass.py
+    MaxPoolGrad reads h1 straight from the MaxPool (benchmarks/fuzz_pass.py
     found a 1-ulp gradient when a swap-in stood between them)."""
     g, props = dense_step()
     for node in g.node:
@@ -115,7 +119,7 @@ def test_prefetch_trigger_runs_before_the_first_reader_and_covers_the_transfer()
     first_reader = min(step_of[idx.node(c)] for c, _ in group.consumers)
     trigger = step_of[idx.node(group.trigger)]
     assert trigger < first_reader
-    assert facts.phases[idx.node(group.trigger)] == G.BACKWARD
+    assert facts.node_phases[idx.node(group.trigger)] == G.BACKWARD
     # A slow link moves the trigger earlier (never later).
     _, _, _, slow_facts, slow = swap_plan(bandwidth=1e3)
     slow_trigger = step_of[idx.node(slow.swaps[0].groups[0].trigger)]
@@ -143,7 +147,7 @@ def test_rewrite_adds_swap_nodes_and_lowers_the_predicted_peak():
     assert nodes["h2"].input[0] == "h1"                 # forward reader unchanged
     new_idx = G.build_index(out, ["ret"])
     assert not new_idx.has_cycles
-    new_facts = analysis.analyze(new_idx, pipeline._with_generated(props, new_idx))
+    new_facts = analysis.analyze(new_idx, analysis.with_generated(props, new_idx))
     # h1's device buffer now dies in the forward pass; the backward pass
     # reads the swapped-in copy, allocated no earlier than its trigger.
     h1_buffer = (new_idx.node("h1_pre"), 0)
@@ -151,8 +155,8 @@ def test_rewrite_adds_swap_nodes_and_lowers_the_predicted_peak():
     trigger_step = new_facts.schedule.index(new_idx.node(plan.swaps[0].groups[0].trigger))
     relu_grad_step = new_facts.schedule.index(new_idx.node("grad/relu"))
     assert trigger_step < swap_in_step < relu_grad_step
-    assert new_facts.intervals[h1_buffer][1] < swap_in_step
-    assert facts.intervals[(idx.node("h1_pre"), 0)][1] == facts.schedule.index(
+    assert new_facts.buffer_intervals[h1_buffer][1] < swap_in_step
+    assert facts.buffer_intervals[(idx.node("h1_pre"), 0)][1] == facts.schedule.index(
         idx.node("grad/relu"))
     # Idempotent: the pass leaves a graph holding sntf nodes alone.
     assert new_idx.sntf_nodes
@@ -170,48 +174,54 @@ def test_with_a_budget_swaps_go_through_the_tensor_cache():
     assert cache_out.attr["uses"].i == len(plan.swaps[0].groups)
     assert [d.size for d in cache_in.attr["shape"].shape.dim] == [-1, 3]
     assert names.role_of(cache_in) == names.ROLE_SWAP_IN
-    # The run-time limits: the budget, and the headroom budget - planned
-    # peak that cached tensors may use (none when the plan is over budget).
-    new_idx = G.build_index(out, ["ret"])
-    new_facts = analysis.analyze(new_idx, pipeline._with_generated(props, new_idx))
-    for budget in (10 * MIB, new_facts.predicted_peak_bytes // 2):
-        tuned = pipeline._cache_thresholds(out, new_facts, budget)
+    # The run-time limits land on the cache's swap-out as given; a negative
+    # headroom (a plan over its budget) keeps nothing on the device.
+    for budget, headroom, written in ((10 * MIB, 3 * MIB, 3 * MIB),
+                                      (10 * MIB, -MIB, 0)):
+        tuned = rewrite.set_cache_limits(out, budget, headroom)
         (node,) = [n for n in tuned.node if n.op == names.CACHE_OUT_OP]
-        assert node.attr["budget"].i == budget
-        assert node.attr["headroom"].i == max(0, budget - new_facts.predicted_peak_bytes)
-    assert "every swap copies" in pipeline._cache_note(new_facts, 1)
+        assert (node.attr["budget"].i, node.attr["headroom"].i) == (budget, written)
+    assert out.SerializeToString() == rewrite.apply_plan(g, plan).graph_def.SerializeToString()
 
 
-def test_the_cache_headroom_leaves_the_allocator_slack(monkeypatch):
-    # As budget targets do (pipeline._fit_budget): the largest scratch
-    # buffer may take twice its bytes from TensorFlow's allocator.
-    g, props, idx, facts, plan = swap_plan()
-    out = rewrite.apply_plan(g, dataclasses.replace(plan, cache_budget=10 * MIB)).graph_def
-    new_idx = G.build_index(out, ["ret"])
-    new_facts = analysis.analyze(new_idx, pipeline._with_generated(props, new_idx))
-    monkeypatch.setattr(pipeline, "allocator_slack", lambda facts: 2 * MIB)
-    budget = new_facts.predicted_peak_bytes + 3 * MIB
-    tuned = pipeline._cache_thresholds(out, new_facts, budget, outside=MIB // 2)
-    (node,) = [n for n in tuned.node if n.op == names.CACHE_OUT_OP]
-    assert node.attr["headroom"].i == MIB // 2
-    note = pipeline._cache_note(new_facts, budget, outside=MIB // 2)
-    assert f"up to {MIB // 2} bytes" in note and f"{2 * MIB} allocator slack" in note
-    assert "every swap copies" in pipeline._cache_note(new_facts, budget - 2 * MIB)
+class _Facts:
+    """The two figures the cache headroom reads from an Analysis."""
+
+    def __init__(self, peak: int, scratch: int):
+        self.budget_peak_bytes = peak
+        self.buffer_bytes = {(0, 0): 5 * MIB, (1, analysis.SCRATCH_PORT): scratch,
+                             (2, analysis.SCRATCH_PORT): scratch // 2}
+
+
+def test_the_cache_headroom_is_the_budget_left_over_the_planned_peak():
+    # budget 10 MiB - 0.5 MiB held outside - 2 MiB slack (the largest
+    # scratch buffer, which the allocator may serve from a chunk twice its
+    # size) - 5 MiB planned peak = 2.5 MiB.
+    facts = _Facts(peak=5 * MIB, scratch=2 * MIB)
+    assert budget_planning.allocator_slack(facts) == 2 * MIB
+    assert budget_planning.cache_headroom(facts, 10 * MIB, MIB // 2) == 5 * MIB // 2
+    note = budget_planning.cache_note(facts, 10 * MIB, outside=MIB // 2)
+    assert note == (f"tensor cache: up to {5 * MIB // 2} bytes of swapped tensors stay "
+                    f"on the device (budget {10 * MIB} - {MIB // 2} held outside the "
+                    f"graph - {2 * MIB} allocator slack - planned peak {5 * MIB})")
+    # Over budget: the headroom is negative and every swap copies.
+    assert budget_planning.cache_headroom(facts, 6 * MIB, 0) == -MIB
+    assert budget_planning.cache_note(facts, 6 * MIB).endswith("every swap copies")
 
 
 def test_pass_with_a_budget_reports_the_cudnn_workspace_limit(monkeypatch):
     g, props = dense_step()
-    monkeypatch.delenv(pipeline.CUDNN_WORKSPACE_ENV, raising=False)
+    monkeypatch.delenv(passes.CUDNN_WORKSPACE_ENV, raising=False)
     state = config.State(enabled=True, policy="swap", budget=config.Budget(bytes=64 * MIB))
-    result = pipeline.run_pass(g.SerializeToString(), ["ret"], [], state,
+    result = passes.run_pass(g.SerializeToString(), ["ret"], [], state,
                                properties_fn(props))
     report = result.report
     assert report["action"] == "rewritten" and report["swapped"] == ["h1:0"], report
-    assert report["cudnn_workspace_limit_mb"] == pipeline.cudnn_workspace_limit_mb(
+    assert report["cudnn_workspace_limit_mb"] == budget_planning.cudnn_workspace_limit_mb(
         64 * MIB, report["planned_peak_bytes"])
     assert "tensor cache" in report["reason"]
     # A CPU graph: the limit is computed and reported, the environment untouched.
-    assert pipeline.CUDNN_WORKSPACE_ENV not in os.environ
+    assert passes.CUDNN_WORKSPACE_ENV not in os.environ
     assert {n.op for n in result.graph_def.node} >= {"SnCacheOut", "SnCacheIn"}
 
 
@@ -231,9 +241,7 @@ def test_swap_policies_train_bit_identically(fresh_python, tmp_path, family):
         # At batch 8 the activations are small: a 4 KiB threshold swaps them.
         result, got = train_family(fresh_python, tmp_path / "p.npz", family,
                              "--sntf", policy, "--swap-min-bytes", "4096")
-        assert result["losses"] == base["losses"], (family, policy)
-        for k in weights:
-            assert got[k].tobytes() == weights[k].tobytes(), (family, policy, k)
+        assert_identical((base, weights), (result, got), (family, policy))
         training = [r for r in result["reports"] if r["training"]]
         assert any(r["action"] == "rewritten" and r["swapped"] for r in training), training
         swap = result["stats"]["swap"]

@@ -5,7 +5,8 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from sntf import _native, ops  # noqa: E402
+from sntf import ops  # noqa: E402
+from sntf.runtime import native as _native  # noqa: E402
 
 
 def _bits(t):
@@ -118,7 +119,8 @@ def test_a_tensor_the_pool_cannot_hold_stays_in_ordinary_memory(fresh_python):
     run = fresh_python("""
         import json
         import tensorflow as tf
-        from sntf import ops, _native
+        from sntf import ops
+        from sntf.runtime import native as _native
         big = tf.reshape(tf.range(1024 * 1024, dtype=tf.float32), [1024, 1024])
         back = ops.swap_in(ops.swap_out(big))          # 4 MiB > 1 MiB limit
         again = ops.swap_in(ops.swap_out(big * 2))     # warned once only
@@ -150,7 +152,8 @@ def test_device_peak_excludes_parked_bytes(fresh_python):
     code = """
         import json, sys
         import tensorflow as tf
-        from sntf import ops, _native
+        from sntf import ops
+        from sntf.runtime import native as _native
         swap = sys.argv[1] == "swap"
         n = 16 * 2**20   # float32 elements: 64 MiB
 

@@ -1,4 +1,4 @@
-"""Keras' jit_compile="auto" must not bypass sntf (DESIGN fact 11), tested on
+"""Keras' jit_compile="auto" must not bypass sntf (docs/tensorflow.md, "Keras"), tested on
 CPU by making Keras believe an accelerator is present (fresh processes)."""
 
 import pytest
@@ -61,4 +61,6 @@ def test_auto_jit_resolves_false_while_sntf_rewrites(fresh_python):
 def test_explicit_jit_is_honoured_and_not_rewritten(fresh_python):
     r = _run(fresh_python, "recompute", "true")
     assert r["jit"] == [True, True] and r["warnings"] == []
-    assert not any(rep["action"] == "rewritten" for rep in r["reports"]), r["reports"]
+    # The XLA-compiled step is one cluster: Grappler's plugins never see its
+    # training graph, so no report of one exists at all.
+    assert r["reports"] == [], r["reports"]

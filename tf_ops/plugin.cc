@@ -7,7 +7,7 @@
 //   * a pybind11 module (sntf._plugin) with a few introspection helpers.
 //
 // The optimizer itself is Python: for every graph, the callback takes the GIL
-// and calls sntf.plugin._optimize(graph_bytes, fetch, preserve, properties).
+// and calls sntf.runtime.plugin._optimize(graph_bytes, fetch, preserve, properties).
 // The callable is looked up in sys.modules by name rather than stored in a
 // global, so that any copy of this library (auto-loaded from another path, or
 // loaded before sntf was imported) reaches the same Python pass, and so that
@@ -40,7 +40,7 @@ namespace {
 // sets of globals, but one environment. Registering twice aborts TensorFlow.
 constexpr char kRegisteredEnv[] = "SNTF_PLUGIN_REGISTERED";
 constexpr char kDuplicatesEnv[] = "SNTF_PLUGIN_DUPLICATES";
-constexpr char kPassModule[] = "sntf.plugin";
+constexpr char kPassModule[] = "sntf.runtime.plugin";
 constexpr char kPassFunction[] = "_optimize";
 
 std::atomic<int64_t> g_calls{0};

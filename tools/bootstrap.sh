@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything sntf needs on a machine with Python 3.11 and g++:
-# a virtual environment in .venv, the pinned dependencies, and sntf itself,
+# a virtual environment in .venv, the pinned dependencies (sntf's and its
+# tests'), and sntf itself,
 # compiled against the TensorFlow installed in that environment.
 #
 #   bash tools/bootstrap.sh
@@ -23,7 +24,7 @@ if sys.version_info < (3, 10):
 PY
 
 echo "sntf bootstrap: installing dependencies (TensorFlow is large the first time)"
-"$VPY" -m pip install --quiet --disable-pip-version-check -r requirements.txt
+"$VPY" -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
 
 built_and_current() {
   local ops plugin

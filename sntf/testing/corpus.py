@@ -166,11 +166,8 @@ def replay(entry: Entry, cfg: dict) -> dict:
     The pass is given the entry's captured surroundings (batch, allocator
     bytes in use, device memory, threads, oneDNN) instead of this process's.
     """
-    import contextlib
-    from unittest import mock
-
     from sntf import config as sntf_config
-    from sntf import pipeline
+    from sntf import passes
 
     state = sntf_config.State(
         enabled=True, policy=sntf_config.parse_policy(cfg["policy"]),
@@ -181,18 +178,10 @@ def replay(entry: Entry, cfg: dict) -> dict:
     def properties(node_names):
         return {n: props[n] for n in node_names if n in props}
 
-    patches = [
-        mock.patch("os.cpu_count", return_value=entry.threads),
-        mock.patch.object(pipeline, "_onednn_enabled", return_value=entry.onednn),
-        mock.patch.object(sntf_config, "runtime_batch", return_value=entry.runtime_batch),
-        mock.patch.object(sntf_config, "device_memory_bytes",
-                          return_value=entry.device_memory_bytes),
-        mock.patch.object(pipeline, "_set_cudnn_workspace_limit"),
-    ]
-    with contextlib.ExitStack() as stack:
-        for p in patches:
-            stack.enter_context(p)
-        result = pipeline.run_pass(entry.graph, entry.fetch, entry.preserve, state,
-                                   properties, lambda device: entry.in_use_bytes,
-                                   defer=False)
+    env = passes.Environment(
+        threads=entry.threads, onednn=entry.onednn, runtime_batch=entry.runtime_batch,
+        device_memory=lambda gpu: entry.device_memory_bytes,
+        in_use=lambda device: entry.in_use_bytes)
+    result = passes.run_pass(entry.graph, entry.fetch, entry.preserve, state,
+                             properties, env, defer=False)
     return outcome(result.report, result.graph_def)

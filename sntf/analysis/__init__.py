@@ -1,0 +1,75 @@
+"""Analysis: tensor sizes, op costs, schedule, liveness and the memory timeline.
+
+Pure functions over plain data. Input: a GraphIndex, the static output
+properties of its nodes as plain tuples, and a batch size. Output: an
+Analysis holding the predicted peak of the graph as TensorFlow's executor
+would run it, and the lower bound Superneurons aims for: the largest working
+set of a single op.
+
+    shapes    sizes with a symbolic batch dimension
+    schedule  the executor's order
+    costs     op times and scratch memory
+    memory    liveness, the timeline, the predicted peak and the lower bound
+    bfc       a model of TensorFlow's BFC allocator
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from sntf.analysis.costs import (DEFAULT_COST_MODEL, CostModel, op_seconds,
+                                 workspace_bytes)
+from sntf.analysis.memory import (ACTIVATION, GRADIENT, PERSISTENT, SCRATCH_PORT,
+                                  TEMPORARY, TENSOR_CLASSES, VARIABLE_PORT, Analysis,
+                                  Timeline, analyze)
+from sntf.analysis.schedule import schedule
+from sntf.analysis.shapes import (Properties, SymbolicSize, decode_properties,
+                                  has_unknown_dims, resolve_symbolic_dims, rounded,
+                                  tensor_size, with_generated)
+from sntf.graph.index import GraphIndex
+
+__all__ = [
+    "ACTIVATION", "Analysis", "Analyzed", "CostModel", "DEFAULT_COST_MODEL",
+    "GRADIENT", "PERSISTENT", "Properties", "SCRATCH_PORT", "SymbolicSize",
+    "TEMPORARY", "TENSOR_CLASSES", "Timeline", "VARIABLE_PORT", "analyze",
+    "analyze_graph", "decode_properties", "has_unknown_dims", "op_seconds",
+    "resolve_symbolic_dims", "rounded", "schedule", "tensor_size",
+    "with_generated", "workspace_bytes",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Analyzed:
+    """One graph as the stages hand it on: the GraphDef, its index, the
+    static properties of its nodes (decoded, sntf's own nodes included) and
+    its analysis."""
+
+    graph_def: object
+    index: GraphIndex
+    props: dict
+    facts: Analysis
+
+    @property
+    def peak(self) -> int:
+        """The planned peak a budget applies to (Analysis.budget_peak_bytes)."""
+        return self.facts.budget_peak_bytes
+
+
+def analyze_graph(graph_def, index: GraphIndex, props: Properties,
+                  batch: Optional[int], threads: Optional[int]) -> Analyzed:
+    """Analyzes a graph whose properties may lack sntf's generated nodes.
+
+    Args:
+      graph_def: the GraphDef.
+      index: its index.
+      props: decoded static properties of the graph the nodes came from.
+      batch: the batch that resolves unknown batch dimensions.
+      threads: intra-op threads of the device.
+
+    Returns:
+      The Analyzed graph.
+    """
+    extended = with_generated(props, index)
+    return Analyzed(graph_def, index, extended,
+                    analyze(index, extended, batch=batch, threads=threads))

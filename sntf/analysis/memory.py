@@ -1,0 +1,491 @@
+"""Liveness and the memory timeline: the predicted peak and the lower bound.
+
+The memory model follows TensorFlow's executor and CPU allocator:
+  * an op's outputs are allocated when it runs, while its inputs are alive;
+  * a buffer is freed when the last consumer of every tensor sharing it has
+    run (Identity/Reshape-like ops alias their input; element-wise kernels
+    reuse an input buffer of the same size when they are its last reader);
+  * variables and constants are persistent: allocated before the step, alive
+    after it;
+  * every allocation is rounded up to the allocator's 256-byte granule, and
+    a model of the BFC allocator gives the bytes it reports in use.
+
+Buffers are keyed by the tensor (node, port) that allocated them; a
+variable's buffer by (its handle's root, VARIABLE_PORT), an op's scratch
+memory by (the op, SCRATCH_PORT).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Mapping, Optional
+
+from sntf.analysis import bfc
+from sntf.analysis.costs import DEFAULT_COST_MODEL, CostModel, op_seconds, workspace_bytes
+from sntf.analysis.schedule import schedule
+from sntf.analysis.shapes import (Properties, SymbolicSize, concrete,
+                                  resolve_symbolic_dims, rounded, shape_of, tensor_size)
+from sntf.graph import optable
+from sntf.graph.index import GraphIndex
+from sntf.graph.phases import BACKWARD, FORWARD, classify_phases
+from sntf.graph.training import handle_root
+
+VARIABLE_PORT = -2   # buffer key (handle root, -2): a variable's own buffer
+SCRATCH_PORT = -1    # buffer key (node, -1): an op's scratch memory
+
+# Buffer classes.
+PERSISTENT, ACTIVATION, GRADIENT, TEMPORARY = (
+    "persistent", "activation", "gradient", "temporary")
+TENSOR_CLASSES = (PERSISTENT, ACTIVATION, GRADIENT, TEMPORARY)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """Bytes live at every schedule step, total and per buffer class."""
+
+    steps: tuple[int, ...]            # node index run at each step
+    live_bytes: tuple[int, ...]       # while the step runs (inputs + outputs)
+    device_bytes: tuple[int, ...]     # what the allocator reports in use (chunks)
+    by_class: Mapping[str, tuple[int, ...]]
+    backward_start: Optional[int]     # first step of the backward pass
+    checkpoint_steps: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """Everything the planner needs to know about one training graph.
+
+    Each field says what it is keyed by: a node index, a schedule step, a
+    tensor (node, port), or a buffer (the tensor that allocated it).
+    """
+
+    batch: Optional[int]
+    schedule: tuple[int, ...]                                    # step -> node
+    node_phases: tuple[str, ...]                                 # node -> phase
+    buffer_bytes: Mapping[tuple[int, int], int]                  # buffer -> bytes
+    buffer_class: Mapping[tuple[int, int], str]                  # buffer -> class
+    buffer_intervals: Mapping[tuple[int, int], tuple[int, int]]  # buffer -> (alloc, free) steps
+    buffers: Mapping[tuple[int, int], tuple[int, int]]           # tensor -> its buffer
+    persistent_bytes: int
+    timeline: Timeline
+    predicted_peak_bytes: int
+    peak_step: int
+    lower_bound_bytes: int
+    lower_bound_step: int
+    step_seconds: tuple[float, ...]                              # step -> seconds
+    unknown_sizes: int
+    # Bytes of the variables the graph reads (part of persistent_bytes):
+    # allocated before the step, by whoever created the variables.
+    variable_bytes: int = 0
+    # Graphs placed on several devices (one replica per device under
+    # tf.distribute): each device's own allocator timeline (bytes in use at
+    # every step), its buffers being those of the nodes placed on it. Empty
+    # for a single-device graph.
+    device_timelines: Mapping[str, tuple[int, ...]] = dataclasses.field(
+        default_factory=dict)
+
+    @property
+    def device_peak_bytes(self) -> dict:
+        """Device -> its predicted peak (multi-device graphs; else empty)."""
+        return {d: max(series, default=0) for d, series in self.device_timelines.items()}
+
+    @property
+    def budget_timeline(self) -> tuple[int, ...]:
+        """The bytes in use a memory budget applies to, at every step.
+
+        One device: the graph's timeline. Several (replicas under
+        tf.distribute): each GPU has its own memory, so the timeline of the
+        GPU that peaks highest. Logical CPU devices share the process's one
+        CPU allocator, and replicas run in lockstep, so their peaks
+        coincide: n times the highest device's timeline (the single merged
+        timeline would put the replicas' peaks one after the other).
+        """
+        if not self.device_timelines:
+            return self.timeline.device_bytes
+        gpus = [series for device, series in sorted(self.device_timelines.items())
+                if "GPU" in device.upper()]
+        if gpus:
+            return max(gpus, key=lambda series: max(series, default=0))
+        top = max(self.device_timelines.values(), key=lambda series: max(series, default=0))
+        return tuple(len(self.device_timelines) * b for b in top)
+
+    @property
+    def budget_peak_bytes(self) -> int:
+        """The peak a memory budget applies to (see budget_timeline); the
+        reports' predicted and planned peaks are this figure."""
+        if not self.device_timelines:
+            return self.predicted_peak_bytes
+        return max(self.budget_timeline, default=self.predicted_peak_bytes)
+
+    def buffer_of(self, tensor: tuple[int, int]) -> Optional[tuple[int, int]]:
+        """The buffer a tensor (node, port) lives in, or None (no memory)."""
+        return self.buffers.get(tensor)
+
+    def summary(self) -> dict:
+        """Headline figures as plain data."""
+        return {
+            "batch": self.batch,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "lower_bound_bytes": self.lower_bound_bytes,
+            "persistent_bytes": self.persistent_bytes,
+            "peak_step": self.peak_step,
+            "steps": len(self.schedule),
+            "backward_start": self.timeline.backward_start,
+            "unknown_sizes": self.unknown_sizes,
+        }
+
+
+def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
+            cost_model: CostModel = DEFAULT_COST_MODEL,
+            threads: Optional[int] = None) -> Analysis:
+    """Predicts the memory timeline of one step of a graph.
+
+    Args:
+      g: the graph index.
+      properties: node name -> [(dtype enum, shape or None) per output].
+      batch: the batch size that resolves unknown batch dimensions (None:
+        counted as 1, and the prediction is then per unit of batch).
+      cost_model: machine constants for op times.
+      threads: intra-op threads of the device (the size of convolution
+        scratch buffers depends on it); None: this machine's CPU count.
+
+    Returns:
+      The Analysis.
+    """
+    if threads is None:
+        import os
+
+        threads = os.cpu_count() or 1
+    order = schedule(g)
+    phases = classify_phases(g)
+    properties = resolve_symbolic_dims(g, properties)
+    sizes, unknown = _sizes(g, properties, batch)
+    live = _Liveness(g, order, properties, sizes)
+    live.add_scratch(batch, threads)
+    klass = _classes(g, phases, live)
+    end = len(order)
+    intervals = live.intervals()
+    by_class, total = _class_series(live, klass, intervals, end)
+    device = _simulate_allocator(live.buffer_bytes, live.persistent, intervals, end)
+    peak_step = max(range(end), key=lambda s: device[s]) if end else 0
+    peak = device[peak_step] if end else live.persistent_bytes()
+    lower, lower_step, seconds = _lower_bound_and_costs(live, batch, cost_model)
+    backward_steps = [s for s, i in enumerate(order) if phases[i] == BACKWARD]
+    timeline = Timeline(
+        steps=order, live_bytes=total, device_bytes=device, by_class=by_class,
+        backward_start=backward_steps[0] if backward_steps else None,
+        checkpoint_steps=tuple(s for s, i in enumerate(order)
+                               if optable.op_class(g.ops[i]) == optable.CHECKPOINT
+                               and phases[i] == FORWARD))
+    return Analysis(
+        device_timelines=_device_timelines(g, live.buffer_bytes, live.persistent,
+                                           intervals, end),
+        batch=batch, schedule=order, node_phases=phases,
+        buffer_bytes=dict(live.buffer_bytes), buffer_class=klass,
+        buffer_intervals=intervals, buffers=dict(live.owner),
+        persistent_bytes=live.persistent_bytes(), timeline=timeline,
+        predicted_peak_bytes=peak, peak_step=peak_step,
+        lower_bound_bytes=lower, lower_bound_step=lower_step,
+        step_seconds=tuple(seconds), unknown_sizes=unknown,
+        variable_bytes=sum(live.buffer_bytes[b] for b in live.persistent
+                           if b[1] == VARIABLE_PORT))
+
+
+def _sizes(g: GraphIndex, properties, batch: Optional[int]) -> tuple[dict, int]:
+    """Byte size of every output at `batch`, and how many are not fully known."""
+    counts = getattr(properties, "counts", {})
+    sizes: dict = {}
+    unknown = 0
+    for i in range(len(g.names)):
+        for port, (dtype, shape) in enumerate(properties.get(g.names[i], ())):
+            size = tensor_size(dtype, shape)
+            if (g.names[i], port) in counts:
+                # Unsolved dims, or one that holds the batch times a number,
+                # but a known element count.
+                elements, power = counts[(g.names[i], port)]
+                itemsize = optable.DTYPE_BYTES.get(dtype, 0)
+                size = (SymbolicSize(0, itemsize * elements) if power == 1 else
+                        SymbolicSize(itemsize * elements, 0) if power == 0 else size)
+            if not size.known:
+                unknown += 1
+            sizes[(i, port)] = size.at(batch)
+    return sizes, unknown
+
+
+class _Owners(dict):
+    """tensor -> buffer, with the inverse (buffer -> its tensors) kept current."""
+
+    def __init__(self):
+        super().__init__()
+        self.tensors = collections.defaultdict(list)
+
+    def __setitem__(self, tensor, buffer):
+        super().__setitem__(tensor, buffer)
+        self.tensors[buffer].append(tensor)
+
+
+class _Liveness:
+    """Which buffer every tensor lives in, and the steps each buffer lives.
+
+    Aliases share their source's buffer; forwarding kernels take over an
+    input buffer of the same size that they read last; a variable's reads
+    share the variable's persistent buffer.
+    """
+
+    def __init__(self, g: GraphIndex, order, properties, sizes: dict):
+        self.g, self.order, self.properties, self.sizes = g, order, properties, sizes
+        self.step_of = {node: s for s, node in enumerate(order)}
+        self.owner = _Owners()         # tensor -> buffer id
+        self.buffer_bytes: dict = {}   # buffer id -> rounded bytes
+        self.buffer_free: dict = {}    # buffer id -> last step any alias is read
+        self.buffer_alloc: dict = {}   # buffer id -> step allocated
+        self.persistent: set = set()
+        self.outputs_of = {i: [(i, port) for port in
+                               range(len(properties.get(g.names[i], ())))]
+                           for i in range(len(g.names))}
+        self.last_use = self._last_uses()
+        self.fetched = self._fetched()
+        for s, i in enumerate(order):
+            self._run(s, i)
+        for t in self.fetched:
+            b = self.owner.get(t)
+            if b is not None:
+                self.buffer_free[b] = len(order)
+
+    def _last_uses(self) -> dict:
+        """tensor -> the step of its last consumer."""
+        last_use = collections.defaultdict(int)
+        for i in range(len(self.g.names)):
+            for p, port in self.g.data_inputs[i]:
+                t = (p, port)
+                last_use[t] = max(last_use[t], self.step_of[i])
+        return last_use
+
+    def _fetched(self) -> set:
+        """Tensors the step hands back: alive to its end."""
+        g, fetched = self.g, set()
+        for f in g.fetch:
+            for p, port in g.data_inputs[f]:
+                fetched.add((p, port))
+            if g.ops[f] != "_Retval":
+                fetched.update((f, port) for port in
+                               range(len(self.properties.get(g.names[f], ()))))
+        for i in range(len(g.names)):
+            if g.ops[i] == "_Retval":
+                fetched.update(g.data_inputs[i])
+        return fetched
+
+    def _allocate(self, t, s: int, persistent: bool = False, buffer=None) -> None:
+        b = t if buffer is None else buffer
+        self.owner[t] = b
+        if persistent:
+            self.buffer_bytes.setdefault(b, rounded(self.sizes[t]))
+            self.buffer_alloc[b] = -1
+            self.persistent.add(b)
+        else:
+            self.buffer_bytes[b] = rounded(self.sizes[t])
+            self.buffer_alloc[b] = s
+
+    def _place(self, s: int, i: int, t) -> None:
+        """Decides the buffer of output t of node i, run at step s."""
+        op, inputs, owner = self.g.ops[i], self.g.data_inputs[i], self.owner
+        if op in optable.FREE_OPS or self.sizes.get(t, 0) == 0:
+            return
+        if op in optable.ALIAS_OPS and inputs and inputs[0] in owner:
+            owner[t] = owner[inputs[0]]
+        elif op in optable.ALIAS_OPS and inputs and self._reads_variable(inputs[0][0]):
+            # A read of a variable is a view of the variable's buffer:
+            # persistent, and counted once however often it is read.
+            root = handle_root(self.g, inputs[0][0])
+            self._allocate(t, s, persistent=True, buffer=(root, VARIABLE_PORT))
+        elif op in optable.PERSISTENT_OPS:
+            self._allocate(t, s, persistent=True)
+        else:
+            reused = None
+            if op in optable.FORWARDING_OPS and t[1] == 0:
+                reused = self._forwardable_input(inputs, rounded(self.sizes[t]), s)
+            if reused is not None:
+                owner[t] = reused
+            else:
+                self._allocate(t, s)
+
+    def _run(self, s: int, i: int) -> None:
+        for t in self.outputs_of[i]:
+            self._place(s, i, t)
+        # Extend the life of every buffer this op reads and writes.
+        for t in list(self.g.data_inputs[i]) + self.outputs_of[i]:
+            b = self.owner.get(t)
+            if b is not None:
+                self.buffer_free[b] = max(self.buffer_free.get(b, -1), s)
+
+    def _reads_variable(self, producer: int) -> bool:
+        """Whether a tensor comes from a resource handle (through Identity ops)."""
+        return self.g.ops[handle_root(self.g, producer)] in optable.FREE_OPS
+
+    def _forwardable_input(self, inputs, need: int, step: int):
+        """The buffer of an input this op reads last and can overwrite, if any."""
+        owner = self.owner
+        for t in inputs:
+            b = owner.get(t)
+            if (b is None or b in self.persistent or t in self.fetched
+                    or b not in self.buffer_bytes):
+                continue
+            if self.buffer_bytes[b] != need:
+                continue
+            # Every tensor living in the buffer must be done by this step.
+            if self.buffer_free.get(b, -1) > step:
+                continue
+            if any(self.last_use.get(other, -1) > step or other in self.fetched
+                   for other in owner.tensors[b]):
+                continue
+            return b
+        return None
+
+    def input_shapes(self, i: int) -> list:
+        return [shape_of(self.properties, self.g, t) for t in self.g.data_inputs[i]]
+
+    def itemsize(self, i: int) -> int:
+        outs = self.properties.get(self.g.names[i])
+        return optable.DTYPE_BYTES.get(outs[0][0], 4) if outs else 4
+
+    def add_scratch(self, batch: Optional[int], threads: int) -> None:
+        """Scratch buffers: live only while their op runs."""
+        for s, i in enumerate(self.order):
+            outs = self.properties.get(self.g.names[i], ())
+            ws = workspace_bytes(self.g.ops[i],
+                                 [concrete(x, batch) for x in self.input_shapes(i)],
+                                 [concrete(o[1], batch) for o in outs],
+                                 self.itemsize(i), threads)
+            if ws:
+                b = (i, SCRATCH_PORT)
+                self.buffer_bytes[b] = rounded(ws)
+                self.buffer_alloc[b] = s
+                self.buffer_free[b] = s
+
+    def persistent_bytes(self) -> int:
+        return sum(self.buffer_bytes[b] for b in self.persistent)
+
+    def intervals(self) -> dict:
+        """Buffer -> (allocating step, last step), persistent buffers aside."""
+        return {b: (self.buffer_alloc[b], self.buffer_free.get(b, self.buffer_alloc[b]))
+                for b in self.buffer_bytes if b not in self.persistent}
+
+
+def _classes(g: GraphIndex, phases, live: _Liveness) -> dict:
+    """Buffer -> class. A buffer holding a forward tensor that the backward
+    pass reads is an activation (whichever tensor allocated it)."""
+    klass = {}
+    for b in live.buffer_bytes:
+        if b in live.persistent:
+            klass[b] = PERSISTENT
+        elif b[1] == SCRATCH_PORT:
+            klass[b] = TEMPORARY
+        else:
+            klass[b] = _buffer_class(g, phases, live.owner.tensors[b] or [b])
+    return klass
+
+
+def _class_series(live: _Liveness, klass: dict, intervals: dict, end: int):
+    """Bytes live per class and in all at each step (a buffer counts from its
+    allocating step through its last use)."""
+    persistent_bytes = live.persistent_bytes()
+    delta = {c: [0] * (end + 2) for c in TENSOR_CLASSES}
+    for b, (start, stop) in intervals.items():
+        c = klass[b]
+        delta[c][start] += live.buffer_bytes[b]
+        delta[c][min(stop, end) + 1] -= live.buffer_bytes[b]
+    by_class = {}
+    for c in TENSOR_CLASSES:
+        running, series = 0, []
+        for s in range(end):
+            running += delta[c][s]
+            series.append(running + (persistent_bytes if c == PERSISTENT else 0))
+        by_class[c] = tuple(series)
+    total = tuple(sum(by_class[c][s] for c in TENSOR_CLASSES) for s in range(end))
+    return by_class, total
+
+
+def _lower_bound_and_costs(live: _Liveness, batch: Optional[int],
+                           cost_model: CostModel) -> tuple[int, int, list]:
+    """The largest single-op working set plus persistent bytes (the lower
+    bound, and its step), and every step's estimated seconds."""
+    g, owner, sizes, persistent = live.g, live.owner, live.sizes, live.persistent
+    persistent_bytes = live.persistent_bytes()
+    lower, lower_step = persistent_bytes, 0
+    seconds = []
+    for s, i in enumerate(live.order):
+        ins = [sizes.get(t, 0) for t in g.data_inputs[i]
+               if owner.get(t) is not None and owner.get(t) not in persistent]
+        outs = [sizes.get(t, 0) for t in live.outputs_of[i]
+                if owner.get(t) is not None and owner.get(t) not in persistent]
+        # Distinct buffers: a view or a forwarded output shares its input's.
+        touched = {owner[t] for t in list(g.data_inputs[i]) + live.outputs_of[i]
+                   if owner.get(t) is not None and owner[t] not in persistent}
+        touched.add((i, SCRATCH_PORT))
+        work = persistent_bytes + sum(live.buffer_bytes.get(b, 0) for b in touched)
+        if work > lower:
+            lower, lower_step = work, s
+        seconds.append(op_seconds(g.ops[i], ins, outs, live.input_shapes(i), batch,
+                                  cost_model, itemsize=live.itemsize(i)))
+    return lower, lower_step, seconds
+
+
+def _simulate_allocator(buffer_bytes: dict, persistent: set, intervals: dict,
+                        end: int) -> tuple[int, ...]:
+    """Bytes TensorFlow's BFC allocator reports in use at each step.
+
+    Persistent buffers are allocated first (they exist before the step);
+    within a step, outputs are allocated, then scratch, then scratch and
+    dead inputs are freed.
+    """
+    sim = bfc.BfcModel()
+    for b in sorted(persistent):
+        sim.allocate(buffer_bytes[b])
+    allocs = collections.defaultdict(list)
+    frees = collections.defaultdict(list)
+    for b, (start, stop) in intervals.items():
+        # Scratch last in, first out; outputs by node and port.
+        allocs[start].append((b[1] == SCRATCH_PORT, b))
+        if stop < end:
+            frees[stop].append((b[1] != SCRATCH_PORT, b))
+    where = {}
+    series = []
+    for s in range(end):
+        for _, b in sorted(allocs.get(s, ())):
+            where[b] = sim.allocate(buffer_bytes[b])
+        series.append(sim.in_use)
+        for _, b in sorted(frees.get(s, ())):
+            sim.free(where.pop(b))
+    return tuple(series)
+
+
+def _device_timelines(g: GraphIndex, buffer_bytes: dict, persistent: set,
+                      intervals: dict, end: int) -> dict:
+    """Bytes in use per device and step, for a graph on several devices.
+
+    A buffer belongs to the device of the node that owns it (a variable's to
+    its handle's); each device's buffers go through their own allocator
+    model, as each device has its own allocator.
+    """
+    devices = {d for d in g.devices if d}
+    if len(devices) < 2:
+        return {}
+    timelines = {}
+    for device in sorted(devices):
+        mine = {b for b in buffer_bytes if g.devices[b[0]] == device}
+        timelines[device] = _simulate_allocator(
+            buffer_bytes, persistent & mine,
+            {b: span for b, span in intervals.items() if b in mine}, end)
+    return timelines
+
+
+def _buffer_class(g: GraphIndex, phases, tensors) -> str:
+    """Activation, gradient or temporary, from the tensors sharing a buffer."""
+    producers = {phases[t[0]] for t in tensors}
+    for t in tensors:
+        if phases[t[0]] == FORWARD and any(
+                phases[c] == BACKWARD
+                for c, _, port in g.consumers[t[0]] if port == t[1]):
+            return ACTIVATION
+    return GRADIENT if BACKWARD in producers else TEMPORARY

@@ -1,0 +1,75 @@
+"""The order TensorFlow's executor runs a step, emulated."""
+
+from __future__ import annotations
+
+import collections
+
+from sntf.graph import optable
+from sntf.graph.index import GraphIndex
+
+
+def schedule(g: GraphIndex, consumers_last_first: bool = False) -> tuple[int, ...]:
+    """The order TensorFlow's executor runs a step, with one inter-op thread.
+
+    Emulates ExecutorState::ScheduleReady on a one-thread pool. A completed
+    node's newly ready consumers (data edges, then control edges) are split:
+    inexpensive ones join the FIFO inline queue of the running Process loop;
+    of the expensive ones the last runs inline when that queue is empty, and
+    the others go to the pool. The pool's thread pushes its own tasks to the
+    front of its queue (Eigen's run queue), so the most recently deferred
+    node runs first once the inline chain ends; the roots, scheduled from the
+    calling thread, go to the back.
+
+    benchmarks/check_schedule.py compares it with the op order of a step in
+    TensorFlow's profiler trace (BENCHMARKS.md gives the agreement).
+
+    Args:
+      g: the graph index.
+      consumers_last_first: take each node's data consumers last-added
+        first instead (not the executor's order; the recompute planner
+        also tries release points picked on it).
+
+    Returns:
+      Node indices in execution order (all nodes; cycles broken in index order).
+    """
+    n = len(g.names)
+    back_edge = {i for i in range(n) if g.ops[i] in optable.NEXT_ITERATION_OPS}
+    pending = [0] * n
+    for i in range(n):
+        preds = [p for p, _ in g.data_inputs[i]] + list(g.control_inputs[i])
+        pending[i] = sum(1 for p in preds if p not in back_edge)
+    pool = collections.deque(i for i in range(n) if pending[i] == 0)
+    order = []
+    while pool:
+        inline = collections.deque([pool.popleft()])
+        while inline:
+            i = inline.popleft()
+            order.append(i)
+            if i in back_edge:
+                continue
+            current, deferred = None, []
+            # Data consumers in graph order, then control consumers: the
+            # order of the executor's out-edge lists.
+            data = [c for c, _, _ in g.consumers[i]]
+            if consumers_last_first:
+                data.reverse()
+            for c in data + list(g.control_consumers[i]):
+                pending[c] -= 1
+                if pending[c] != 0:
+                    continue
+                if g.ops[c] in optable.INEXPENSIVE_OPS:
+                    inline.append(c)
+                    continue
+                if current is not None:
+                    deferred.append(current)
+                current = c
+            if current is not None:
+                if inline:
+                    deferred.append(current)
+                else:
+                    inline.append(current)
+            pool.extendleft(deferred)
+    if len(order) < n:
+        seen = set(order)
+        order.extend(i for i in range(n) if i not in seen)
+    return tuple(order)

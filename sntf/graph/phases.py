@@ -1,0 +1,126 @@
+"""Forward, backward or other: every node's phase, by structure."""
+
+from __future__ import annotations
+
+import collections
+from typing import Iterable
+
+from sntf.graph import optable
+from sntf.graph.index import GraphIndex, ancestors, descendants
+from sntf.graph.training import weight_users, variable_access
+
+
+FORWARD, BACKWARD, OTHER = "forward", "backward", "other"
+def weight_consumers(g: GraphIndex) -> frozenset:
+    """Forward ops that combine an updated variable with an activation.
+
+    These anchor the forward pass of a training graph: every forward op that
+    computes with a weight (MatMul(x, W), Conv2D(x, K), BiasAdd(h, b), a
+    normalization's scale) and feeds some variable update. The backward pass
+    has ops of the same shape (dx = dy W^T reads W and dy), told apart by
+    structure: their activation input descends from another op that reads the
+    same weight, which a forward op's input never does.
+
+    Args:
+      g: the graph index.
+
+    Returns:
+      Indices of the forward weight consumers.
+    """
+    updates, readers = variable_access(g)
+    if not updates:
+        return frozenset()
+    all_updates = [u for us in updates.values() for u in us]
+    feeding_updates = ancestors(g, all_updates, control=False, state=True)
+    candidates = {}  # anchor -> (handles it reads, its activation inputs)
+    for handle in updates:
+        _, users = weight_users(g, handle, readers[handle])
+        for f, acts in users:
+            if f not in feeding_updates:
+                continue
+            handles, inputs = candidates.setdefault(f, (set(), set()))
+            handles.add(handle)
+            inputs.update(acts)
+    if not candidates:
+        return frozenset()
+    bit = {f: 1 << k for k, f in enumerate(sorted(candidates))}
+    reads_of = collections.defaultdict(int)  # handle -> mask of its consumers
+    for f, (handles, _) in candidates.items():
+        for h in handles:
+            reads_of[h] |= bit[f]
+    # mask[n]: the candidates n descends from (data edges), in one topo sweep.
+    mask = [0] * len(g.names)
+    for n in g.topo:
+        m = 0
+        for p, _ in g.data_inputs[n]:
+            m |= mask[p]
+        mask[n] = m | bit.get(n, 0)
+    backward = set()
+    for f, (handles, inputs) in candidates.items():
+        same_weight = 0
+        for h in handles:
+            same_weight |= reads_of[h]
+        same_weight &= ~bit[f]
+        upstream = 0
+        for x in inputs:
+            upstream |= mask[x]
+        if upstream & same_weight:
+            backward.add(f)
+    # Gradient kernels (by op type, a structural fact) and the backprop output
+    # of fused losses start the backward pass too; an optimizer's ops that read
+    # slot variables (Adam's m and v) sit downstream of them.
+    tainted = descendants(g, backward | _gradient_sources(g, candidates))
+    # A forward op's output flows into the gradient computation; an
+    # optimizer op reading a slot (m, v) only flows into updates.
+    feeds_gradients = ancestors(g, tainted, control=False)
+    return frozenset(f for f in candidates
+                     if f not in tainted and f in feeds_gradients)
+
+
+def classify_phases(g: GraphIndex) -> tuple[str, ...]:
+    """Labels every node forward, backward or other, by structure.
+
+    Forward: ancestors of the weight consumers (the forward pass up to its
+    last layer). Backward: nodes downstream of a weight consumer that feed a
+    variable update and are not forward (the loss, the gradients and the
+    optimizer's arithmetic). Other: everything else (metrics, counters,
+    tf.data plumbing).
+
+    Args:
+      g: the graph index.
+
+    Returns:
+      One label per node, by node index.
+    """
+    anchors = weight_consumers(g)
+    if not anchors:
+        return tuple(OTHER for _ in g.names)
+    below = descendants(g, anchors)
+    tainted = descendants(g, _gradient_sources(g, anchors))
+    # The forward pass: up to the last weight consumer, then on to what the
+    # step returns (the loss, through the metric that records it), short of
+    # anything downstream of a gradient kernel.
+    outputs = set(g.fetch) | {i for i, op in enumerate(g.ops) if op == "_Retval"}
+    returned = ancestors(g, outputs, control=False, state=True)
+    forward = ancestors(g, anchors, control=False) | ((returned & below) - tainted)
+    all_updates = [i for i, op in enumerate(g.ops)
+                   if g.data_inputs[i] and optable.is_update_op(op)]
+    feeding = ancestors(g, all_updates, control=False, state=True)
+    # Backward: the gradient computation (downstream of a gradient kernel, or
+    # feeding one, like the loss seed) -- not statistics updates such as
+    # BatchNormalization's moving averages, which only feed their variables.
+    gradient_side = tainted | ancestors(g, tainted, control=False)
+    backward = ((below & feeding) - forward) & gradient_side
+    return tuple(FORWARD if i in forward else BACKWARD if i in backward else OTHER
+                 for i in range(len(g.names)))
+
+
+def _gradient_sources(g: GraphIndex, anchors: Iterable[int]) -> set:
+    """Gradient kernels and fused-loss backprop outputs (by op type)."""
+    sources = set()
+    for n, op in enumerate(g.ops):
+        if optable.is_gradient_op(op):
+            sources.add(n)
+        elif op in optable.FUSED_LOSS_OPS:
+            sources.update(c for c, _, port in g.consumers[n] if port == 1)
+    return sources

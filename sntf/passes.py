@@ -1,0 +1,329 @@
+"""The graph pass: parse -> index -> detect -> analyze -> plan -> rewrite -> report.
+
+`run_pass` is a pure function of its arguments: the switch state and what
+it may read of the process around it (the Environment) are passed in, and
+what it wants done outside the graph (a runtime setting, a warning to log)
+comes back in the result. It never raises for a graph: internal failures
+come back as a result whose graph is None (meaning "leave the graph
+unchanged") and whose report says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from typing import Callable, Optional, Sequence
+
+from sntf import analysis, config, graph, planner, report as reports, rewrite
+from sntf.analysis import Analyzed
+from sntf.graph.identity import graph_key
+from sntf.planner import budget as budget_planning
+from sntf.planner import heuristics
+
+# Re-exported: the report's actions and its schema.
+UNCHANGED, REWRITTEN, SKIPPED, ERROR = (reports.UNCHANGED, reports.REWRITTEN,
+                                        reports.SKIPPED, reports.ERROR)
+DEFERRED = reports.DEFERRED
+new_report = reports.new_report
+
+PropertiesFn = Callable[[Sequence[str]], dict]
+CUDNN_WORKSPACE_ENV = "TF_CUDNN_WORKSPACE_LIMIT_IN_MB"
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """What the pass may read of the process around it, handed in.
+
+    Attributes:
+      threads: intra-op threads of the device (convolution scratch sizes).
+      onednn: whether TensorFlow's oneDNN graph rewrites run (they pair
+        forward ops with their gradients).
+      runtime_batch: the batch of the input Keras' fit() is feeding, or None.
+      device_memory: gpu (bool) -> the device's memory in bytes (budget
+        fractions resolve against it).
+      in_use: device name -> its allocator's bytes in use now, or None
+        where the allocator keeps no statistics.
+    """
+
+    threads: int = 1
+    onednn: bool = True
+    runtime_batch: Optional[int] = None
+    device_memory: Callable[[bool], int] = lambda gpu: 0
+    in_use: Optional[Callable[[str], Optional[int]]] = None
+
+
+@dataclasses.dataclass
+class PassResult:
+    """What the pass returns.
+
+    Attributes:
+      graph_def: a new GraphDef, or None for "leave the graph unchanged".
+      report: the report (see sntf.report.new_report).
+      key: the graph's identity across Grappler's two iterations (None when
+        the graph could not be parsed).
+      deferred: a training graph left for Grappler's last iteration.
+      settings: runtime settings the pass asks for (environment variable ->
+        value), applied by the runtime layer.
+      warnings: messages to log once.
+    """
+
+    graph_def: Optional[object]
+    report: dict
+    key: Optional[bytes] = None
+    deferred: bool = False
+    settings: dict = dataclasses.field(default_factory=dict)
+    warnings: tuple = ()
+
+
+def run_pass(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
+             state: config.State, properties: Optional[PropertiesFn] = None,
+             env: Optional[Environment] = None, defer: bool = False) -> PassResult:
+    """Runs sntf's graph pass on one serialized GraphDef.
+
+    Grappler's meta-optimizer runs every optimizer twice per graph, sntf's
+    last in each iteration. A graph sntf rewrote in the first iteration
+    would go through TensorFlow's optimizers once more, and they act on what
+    the rewrite changed (the arithmetic optimizer reassociates a product
+    whose factor lost a reader to a recomputed clone, changing the bits of
+    the result). So the plugin asks the first call to defer: a training
+    graph sntf would act on goes back unchanged (PassResult.deferred) and is
+    rewritten the second time.
+
+    Args:
+      graph_bytes: the serialized GraphDef Grappler handed over.
+      fetch: fetch node names.
+      preserve: nodes-to-preserve names.
+      state: the switch state (policy, budget, options) for this call.
+      properties: callable returning serialized static output properties per
+        node name; only valid during the Grappler callback.
+      env: what the pass may read of the process (default: Environment()).
+      defer: leave a training graph the policy would act on for a later call.
+
+    Returns:
+      A PassResult. Its graph_def is None when the graph must go back unchanged.
+    """
+    start = time.perf_counter()
+    report = reports.new_report()
+    report["policy"] = state.policy
+    report["fetch"] = list(fetch)
+    try:
+        from tensorflow.core.framework import graph_pb2
+
+        with reports.timed(report, "parse"):
+            graph_def = graph_pb2.GraphDef.FromString(graph_bytes)
+        key = graph_key(graph_def, fetch)
+        with reports.timed(report, "index"):
+            index = graph.build_index(graph_def, fetch, preserve)
+        report["nodes"] = len(index)
+        report["graph"] = graph.name_hint(index)
+        report["devices"] = sorted({d for d in index.devices if d})
+        result = _run(graph_def, index, state, report, properties, env or Environment(),
+                      defer)
+        result.key = key
+        return _finish(result, start)
+    except Exception as e:  # noqa: BLE001 - the pass must never fail a graph
+        report["action"] = ERROR
+        report["reason"] = f"{type(e).__name__}: {e}"
+        report["error"] = traceback.format_exc(limit=8)
+        return _finish(PassResult(None, report), start)
+
+
+def _finish(result: PassResult, start: float) -> PassResult:
+    result.report["pass_seconds"] = time.perf_counter() - start
+    return result
+
+
+def _skip_reason(graph_def, index, report: dict) -> tuple[Optional[str], str]:
+    """(why the pass does not act on this graph at all, or None; why it is a
+    training graph)."""
+    if index.sntf_nodes:
+        report["training"] = True
+        return (f"already rewritten by sntf ({len(index.sntf_nodes)} "
+                "sntf nodes); the pass is idempotent"), ""
+    with reports.timed(report, "detect"):
+        info = graph.detect_training(index)
+    report["training"] = info.training
+    if not info.training:
+        report["action"] = SKIPPED
+        return f"not a training graph: {info.reason}", info.reason
+    if graph.xla_compiled(graph_def):
+        report["action"] = SKIPPED
+        return ("XLA-compiled graph: custom ops cannot run inside "
+                "an XLA cluster, so sntf leaves it alone"), info.reason
+    return None, info.reason
+
+
+def _run(graph_def, index, state: config.State, report: dict,
+         properties: Optional[PropertiesFn], env: Environment, defer: bool) -> PassResult:
+    skip, why_training = _skip_reason(graph_def, index, report)
+    if skip is not None:
+        report["reason"] = skip
+        return PassResult(None, report)
+    if defer and (state.policy != "off" or state.options.identity_rewrite):
+        report["reason"] = f"training graph ({why_training}); {DEFERRED}"
+        return PassResult(None, report, deferred=True)
+    base = _analyze(graph_def, index, state, properties, env, report)
+    # Resolved once per pass (a GPU graph's fraction asks for the GPU's memory).
+    budget = _budget_bytes(state, index, env)
+    if base is not None and budget is not None and env.in_use is not None:
+        report["outside_bytes"] = _outside_bytes(index, base.facts, env.in_use)
+    outcome = _plan(base, graph_def, index, state, env, budget, report)
+    rewritten = outcome.planned.graph_def if outcome.planned is not None else None
+    if rewritten is not None and outcome.cache_headroom is not None:
+        rewritten = rewrite.set_cache_limits(rewritten, outcome.plan.cache_budget,
+                                             outcome.cache_headroom)
+    result = PassResult(None, report, warnings=outcome.warnings)
+    plan = _record_plan(outcome, base, index, state, env, budget, report, result)
+    handed = rewritten if rewritten is not None else graph_def
+    if state.options.keep_graphs:
+        report.update(original_graph=graph_def, rewritten_graph=handed,
+                      analysis_result=base.facts if base else None,
+                      planned_analysis_result=(outcome.planned.facts
+                                               if outcome.planned else None),
+                      properties=base.props if base else None)
+    report["per_device"] = reports.per_device(
+        index, base.facts if base else None,
+        outcome.planned.facts if outcome.planned else None, plan, handed)
+    if rewritten is not None or state.options.identity_rewrite:
+        report["action"] = REWRITTEN
+        report["reason"] = (f"training graph ({why_training}); "
+                            + "; ".join(plan.notes or ("plan applied",)))
+        result.graph_def = handed
+    else:
+        report["action"] = UNCHANGED
+        report["reason"] = f"training graph ({why_training}); " + "; ".join(plan.notes)
+    return result
+
+
+def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,
+          env: Environment, budget: Optional[int], report: dict) -> planner.Outcome:
+    """The policy's outcome (an identity plan where the analysis failed)."""
+    if state.policy == "off":
+        with reports.timed(report, "rewrite"):
+            if base is None:
+                return planner.Outcome(planner.identity_plan("off", planner.policies.OFF_NOTE))
+            return planner.plan("off", base, _context(state, env, budget, index, report))
+    if base is None:
+        return planner.Outcome(planner.identity_plan(
+            state.policy, "no analysis: graph left unchanged"))
+    ctx = _context(state, env, budget, index, report)
+    return planner.plan(state.policy, base, ctx, report["graph"])
+
+
+def _context(state: config.State, env: Environment, budget: Optional[int], index,
+             report: dict) -> planner.Context:
+    return planner.Context(
+        evaluate=rewrite.evaluator(env.threads),
+        recompute_mode=state.options.recompute_mode,
+        swap_min_bytes=state.options.swap_min_bytes,
+        bandwidth=_link_bandwidth(state, index),
+        onednn=env.onednn, budget=budget,
+        outside_bytes=report.get("outside_bytes") or 0,
+        budget_margin=state.options.budget_margin,
+        budget_behaviour=state.options.budget_behaviour,
+        stage_seconds=report["stage_seconds"])
+
+
+def _record_plan(outcome: planner.Outcome, base: Optional[Analyzed], index,
+                 state: config.State, env: Environment, budget: Optional[int],
+                 report: dict, result: PassResult) -> planner.Plan:
+    """Fills the report from the plan; asks for the cuDNN limit on a GPU."""
+    plan = outcome.plan
+    report.update(outcome.fields)
+    if base is not None:
+        facts = base.facts
+        plan = dataclasses.replace(
+            plan, predicted_peak_bytes=facts.budget_peak_bytes,
+            planned_peak_bytes=(outcome.planned.facts if outcome.planned
+                                else facts).budget_peak_bytes,
+            lower_bound_bytes=facts.lower_bound_bytes)
+        report["planned_peak_bytes"] = plan.planned_peak_bytes
+        report["budget_bytes"] = budget
+        if budget is not None:
+            # The workspace gets the headroom left by the plan and by what
+            # the device holds outside the graph.
+            limit = budget_planning.cudnn_workspace_limit_mb(
+                budget - (report["outside_bytes"] or 0), plan.planned_peak_bytes)
+            report["cudnn_workspace_limit_mb"] = limit
+            if _on_gpu(index):
+                result.settings[CUDNN_WORKSPACE_ENV] = limit
+    report["swapped"] = plan.tensors(planner.SWAP)
+    report["recomputed"] = plan.tensors(planner.RECOMPUTE)
+    report["plan"] = plan.to_dict()
+    return plan
+
+
+def _analyze(graph_def, index, state: config.State, properties: Optional[PropertiesFn],
+             env: Environment, report: dict) -> Optional[Analyzed]:
+    """Runs the analysis; on failure the report says why and planning goes on
+    without it (the plan then changes nothing)."""
+    if properties is None:
+        report["analysis_error"] = "no static properties were handed over"
+        return None
+    try:
+        with reports.timed(report, "shapes"):
+            props = analysis.decode_properties(properties(list(index.names)))
+        batch = state.options.batch_size
+        source = "option batch_size" if batch is not None else None
+        if batch is None and analysis.has_unknown_dims(props):
+            batch = env.runtime_batch
+            if batch is not None:
+                source = "the input Keras fit() feeds"
+            else:
+                report["analysis_error"] = (
+                    "the batch dimension is unknown in this graph; sizes assume "
+                    "a batch of 1 (pass sntf.enable(..., batch_size=N))")
+        report["batch_source"] = source
+        with reports.timed(report, "analysis"):
+            base = analysis.analyze_graph(graph_def, index, props, batch, env.threads)
+    except Exception as e:  # noqa: BLE001 - the analysis must not fail the graph
+        report["analysis_error"] = f"{type(e).__name__}: {e}"
+        return None
+    report["batch"] = batch
+    report["predicted_peak_bytes"] = base.facts.budget_peak_bytes
+    report["lower_bound_bytes"] = base.facts.lower_bound_bytes
+    report["analysis"] = base.facts.summary()
+    return base
+
+
+def _on_gpu(index) -> bool:
+    """Whether any node of the graph is placed on a GPU."""
+    return any("GPU" in d.upper() for d in index.devices if d)
+
+
+def _budget_bytes(state: config.State, index, env: Environment) -> Optional[int]:
+    """The user's budget in bytes for this graph's device (None without one,
+    and for budget "auto" on a CPU graph)."""
+    if state.budget is None:
+        return None
+    gpu = _on_gpu(index)
+    if state.budget.auto and not gpu:
+        return None
+    return state.budget.resolve(env.device_memory(gpu))
+
+
+def _link_bandwidth(state: config.State, index) -> float:
+    """Bytes per second between device and host pool: the option, else PCIe
+    4 x16 on a GPU graph, else the cost model's memory bandwidth (on CPU a
+    swap is a host memcpy). A constant, never a rate measured at run time:
+    the same graph gets the same plan in every process."""
+    if state.options.link_bandwidth is not None:
+        return float(state.options.link_bandwidth)
+    if _on_gpu(index):
+        return heuristics.PCIE4_X16_BYTES_PER_SECOND
+    return analysis.DEFAULT_COST_MODEL.bytes_per_second
+
+
+def _outside_bytes(index, facts, in_use) -> Optional[int]:
+    """Device bytes in use that this graph's step does not account for: the
+    allocator's bytes in use now, less the variables the graph reads (which
+    the analysis counts as persistent). None when the allocator keeps no
+    statistics."""
+    try:
+        current = in_use("GPU:0" if _on_gpu(index) else "CPU:0")
+    except Exception:  # noqa: BLE001 - statistics are an aid, never a failure
+        return None
+    if current is None:
+        return None
+    return max(0, int(current) - facts.variable_bytes)

@@ -1,0 +1,101 @@
+"""What the backward pass reads, and when: helpers the recompute and swap
+planners share."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from sntf.analysis.memory import PERSISTENT
+from sntf.graph import names
+from sntf.graph.phases import BACKWARD, FORWARD
+
+
+def backward_read_by_buffer(g, facts) -> dict:
+    """Buffer -> the forward tensors living in it that the backward pass reads."""
+    phases = facts.node_phases
+    result = {}
+    for t, buffer in facts.buffers.items():
+        if phases[t[0]] == FORWARD and any(
+                phases[c] == BACKWARD
+                for c, _, p in g.consumers[t[0]] if p == t[1]):
+            result.setdefault(buffer, set()).add(t)
+    return result
+
+
+def gradient_ancestor(g, facts, step_of: dict, reader: int, seconds: float,
+                      device: Optional[str] = None) -> Optional[int]:
+    """The backward op that releases a swap-in needed by `reader`.
+
+    Walks back from `reader` along the backward pass's critical path: at each
+    op, to its backward-phase data input scheduled last (the gradient that
+    arrives last). It stops at the first op whose estimated compute up to the
+    reader covers `seconds`. Being an ancestor of the reader, the trigger
+    runs shortly before it in any executor order; an op merely scheduled
+    nearby in the predicted order (a shape computation, another branch) can
+    run much earlier, bringing the tensor back long before it is needed.
+
+    Args:
+      g, facts: the graph index and its analysis.
+      step_of: node index -> schedule step.
+      reader: the node that needs the tensor.
+      seconds: compute to leave between the trigger and the reader.
+      device: only ops placed on this device are followed (the trigger's
+        control edge must not cross devices); None: any.
+
+    Returns:
+      The node index, or None when the reader has no backward input.
+    """
+    covered, node, found = 0.0, reader, None
+    while True:
+        # Control inputs count: a recomputed clone waits on its trigger.
+        preds = [p for p, _ in g.data_inputs[node]] + list(g.control_inputs[node])
+        inputs = [p for p in preds if facts.node_phases[p] == BACKWARD
+                  and (device is None or g.devices[p] == device)]
+        if not inputs:
+            return found
+        node = max(inputs, key=step_of.get)
+        found = node
+        covered += facts.step_seconds[step_of[node]]
+        if covered >= seconds:
+            return node
+
+
+def read_under_control_flow(g, tensor: tuple, region: frozenset) -> bool:
+    """Whether a node under control flow reads the tensor (see
+    graph.control_flow_region): such a tensor is left as it is."""
+    return bool(region) and any(c in region for c, _, p in g.consumers[tensor[0]]
+                                if p == tensor[1])
+
+
+def control_flow_note(region: frozenset) -> tuple:
+    """The plan note that says how much control flow was left alone."""
+    if not region:
+        return ()
+    return (f"control flow present: {len(region)} op(s) in or after a "
+            "conditional left alone",)
+
+
+def backward_read_tensors(g, facts) -> list:
+    """The forward tensors the backward pass reads that hold step memory
+    (not a constant's or a variable's), in schedule order: the tensors a
+    plan decides (keep, swap or recompute).
+
+    Returns:
+      [(node, port)] in the order of their producers in facts.schedule.
+    """
+    phases = facts.node_phases
+    found = []
+    for producer in facts.schedule:
+        if phases[producer] != FORWARD:
+            continue
+        for port in sorted({p for c, _, p in g.consumers[producer]
+                            if phases[c] == BACKWARD}):
+            buffer = facts.buffer_of((producer, port))
+            if buffer is not None and facts.buffer_class.get(buffer) != PERSISTENT:
+                found.append((producer, port))
+    return found
+
+
+def tensor_name(g, tensor: tuple) -> str:
+    """The "node:port" name of a (node index, port) tensor."""
+    return names.tensor_name(g.names[tensor[0]], tensor[1])

@@ -1,0 +1,273 @@
+"""Planning under a memory budget: per buffer, keep, recompute or swap, so
+that the planned peak fits at the least predicted extra time.
+
+The options come from the recompute and swap planners; the search
+(sntf.planner.search) picks among them by planned peaks, each found by
+trying the selection with Context.evaluate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from sntf.analysis.memory import SCRATCH_PORT
+from sntf.graph import names
+from sntf.planner import heuristics, search
+from sntf.planner.context import Context
+from sntf.planner.modes import lowest_recompute, updates_in_place
+from sntf.planner.plan import RECOMPUTE, SWAP, Plan, acting, identity_plan, subset
+from sntf.planner.swap import plan_swap, tensor_properties
+
+BUDGET_BEHAVIOURS = ("best_effort", "unchanged")
+
+
+def swap_stage(base, ctx: Context, cache_budget: Optional[int] = None) -> Plan:
+    """The swap plan of an analyzed graph (with a budget, its swaps are
+    conditional on the device's memory at run time)."""
+    from sntf.planner.context import protected
+
+    dtypes, shapes = tensor_properties(base.index, base.props)
+    plan = plan_swap(base.index, base.facts, dtypes, ctx.swap_min_bytes, ctx.bandwidth,
+                     protected(base.index), shapes, workspace_pairs=ctx.onednn)
+    return dataclasses.replace(plan, cache_budget=cache_budget)
+
+
+def allocator_slack(facts) -> int:
+    """Headroom a budget plan leaves for the allocator's rounding: the
+    largest scratch buffer's bytes.
+
+    TensorFlow's BFC allocator serves a request from the best-fitting free
+    chunk and splits it only when it is at least twice the request, so a
+    request may take up to twice its bytes; which chunk it gets depends on
+    the allocator's history, which the pass cannot see (its model replays
+    one step from an empty allocator). The im2col scratch of convolution
+    backprops is the largest single request in such graphs.
+    """
+    return max((n for b, n in facts.buffer_bytes.items() if b[1] == SCRATCH_PORT),
+               default=0)
+
+
+def cache_headroom(facts, budget: int, outside: int) -> int:
+    """Bytes of swapped tensors the tensor cache may keep on the device
+    (negative: none).
+
+    The planned peak assumes every swap copies, so cached tensors may use
+    only the headroom budget - planned peak: kept within it, they raise no
+    step of the plan above the budget, wherever that step lies. The
+    headroom also leaves what the device holds outside the graph and the
+    allocator's slack, as budget targets do.
+    """
+    return budget - outside - allocator_slack(facts) - facts.budget_peak_bytes
+
+
+def cache_note(facts, budget: int, outside: int = 0) -> str:
+    """The plan note that says how much the tensor cache may keep."""
+    peak = facts.budget_peak_bytes
+    headroom = cache_headroom(facts, budget, outside)
+    held = f" - {outside} held outside the graph" if outside else ""
+    slack = allocator_slack(facts)
+    slack_text = f" - {slack} allocator slack" if slack else ""
+    if headroom < 0:
+        return (f"budget {budget} bytes{held}{slack_text} is below the planned peak "
+                f"{peak} bytes: every swap copies")
+    return (f"tensor cache: up to {headroom} bytes of swapped tensors stay on the "
+            f"device (budget {budget}{held}{slack_text} - planned peak {peak})")
+
+
+def cudnn_workspace_limit_mb(budget: int, planned_peak: int) -> int:
+    """The cuDNN workspace limit a budget leaves: the headroom between the
+    planned peak and the budget, in MiB, at least MIN_CUDNN_WORKSPACE_MB.
+
+    Args:
+      budget: the device budget in bytes.
+      planned_peak: the planned peak of the rewritten graph in bytes.
+
+    Returns:
+      The limit in MiB.
+    """
+    return max(heuristics.MIN_CUDNN_WORKSPACE_MB, (budget - planned_peak) >> 20)
+
+
+class Selections:
+    """Planned peaks of option selections for the budget search.
+
+    A selection's recomputations are applied first and its swaps planned
+    over the recomputed graph (clones then read swapped-in checkpoints), as
+    in "swap+recompute". Each recompute set's graph is kept, so trying swap
+    subsets over one recompute set rewrites the recomputation once.
+    """
+
+    def __init__(self, base, ctx: Context, recompute_plan: Plan, budget: int):
+        self._base, self._ctx = base, ctx
+        self._recompute = recompute_plan
+        self._budget = budget
+        self._recomputed: dict = {}
+        self.results: dict = {}      # frozenset(options) -> (plan, analyzed graph)
+
+    def _recompute_stage(self, tensors: frozenset):
+        if tensors not in self._recomputed:
+            plan = subset(self._recompute, tensors)
+            planned = self._ctx.evaluate(plan, self._base) if tensors else None
+            planned = planned or self._base
+            swaps = swap_stage(planned, self._ctx, self._budget)
+            self._recomputed[tensors] = (plan, planned, swaps)
+        return self._recomputed[tensors]
+
+    def peak(self, selection: tuple) -> int:
+        """Planned peak with `selection` applied (and its plan kept)."""
+        recompute = frozenset(t for o in selection if o.action == RECOMPUTE
+                              for t in o.tensors)
+        swap = frozenset(t for o in selection if o.action == SWAP for t in o.tensors)
+        plan, planned, swaps = self._recompute_stage(recompute)
+        swap_plan = subset(swaps, swap)
+        if swap:
+            planned = self._ctx.evaluate(swap_plan, planned) or planned
+        combined = dataclasses.replace(
+            plan, decisions=plan.decisions + swap_plan.decisions,
+            swaps=swap_plan.swaps, cache_budget=self._budget if swap else None)
+        self.results[frozenset(selection)] = (combined, planned)
+        return planned.peak
+
+    def excess(self, selection: tuple, budget: int) -> int:
+        """Bytes over `budget` summed over the planned timeline's steps (the
+        selection's peak must have been computed)."""
+        planned = self.results[frozenset(selection)][1]
+        return sum(max(0, b - budget) for b in planned.facts.budget_timeline)
+
+
+def budget_options(index, facts, recompute_plan: Plan, swap_plan: Plan) -> list:
+    """The budget search's options: per buffer the backward pass keeps, its
+    recomputation (every recomputed tensor living in it) and its swap.
+
+    Args:
+      index, facts: the graph and its analysis.
+      recompute_plan, swap_plan: every recomputation and swap the planners
+        found on that graph.
+
+    Returns:
+      A list of sntf.planner.search.Option.
+    """
+    def unit(tensor: str):
+        node, port = names.split_tensor(tensor)
+        return facts.buffer_of((index.node(node), port))
+
+    grouped: dict = {}
+    for d in acting(recompute_plan.decisions):
+        grouped.setdefault(unit(d.tensor), []).append(d)
+    options = [search.Option(
+        unit=u, action=RECOMPUTE, tensors=tuple(d.tensor for d in ds),
+        bytes_saved=sum(d.bytes_saved or 0 for d in ds),
+        seconds=sum(d.seconds_added or 0.0 for d in ds))
+        for u, ds in grouped.items()]
+    options += [search.Option(
+        unit=unit(d.tensor), action=SWAP, tensors=(d.tensor,),
+        bytes_saved=d.bytes_saved or 0, seconds=d.seconds_added or 0.0)
+        for d in acting(swap_plan.decisions)]
+    return options
+
+
+def budget_search(base, ctx: Context, budget: int):
+    """What the budget search searches over, for one analyzed graph.
+
+    Args:
+      base: the analyzed graph.
+      ctx: the planning context (recompute_mode, swap_min_bytes, bandwidth).
+      budget: the byte budget.
+
+    Returns:
+      (options, selections, candidates): the search.Option list; a
+      Selections whose peak(selection) rewrites and analyzes the graph with
+      a selection (and keeps each result in selections.results); and the
+      recompute and swap plans the options came from.
+    """
+    mode = "memory" if ctx.recompute_mode == "memory" else "speed"
+    recompute, _ = lowest_recompute(base, ctx, mode)
+    swaps = swap_stage(base, ctx, budget)
+    options = budget_options(base.index, base.facts, recompute, swaps)
+    return options, Selections(base, ctx, recompute, budget), (recompute, swaps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fitted:
+    """What fit_budget found: the plan, the rewritten graph analyzed (None
+    when unchanged), the search's Choice, the plan target, and the warning
+    to log once when the budget cannot be met."""
+
+    plan: Plan
+    planned: Optional[object]
+    choice: Optional[search.Choice]
+    candidates: tuple = ()
+    warning: Optional[str] = None
+
+
+def fit_budget(base, ctx: Context, name: str = "") -> Fitted:
+    """The least predicted extra time whose planned peak fits the budget
+    less its margin, by search.greedy over every buffer's options.
+
+    A budget that no plan reaches is reported with the least planned peak
+    found (and a warning to log once); then ctx.budget_behaviour decides:
+    "best_effort" applies that plan, "unchanged" leaves the graph alone.
+
+    Args:
+      base: the analyzed graph.
+      ctx: the planning context; ctx.budget is set.
+      name: the graph's name, for the warning.
+
+    Returns:
+      A Fitted.
+    """
+    budget, outside = ctx.budget, ctx.outside_bytes
+    # The plan must fit under the budget less the analysis' error margin,
+    # less what the device already holds outside this graph and less the
+    # allocator's slack for the largest scratch buffer.
+    slack = allocator_slack(base.facts)
+    target = int(budget * (1.0 - ctx.budget_margin)) - outside - slack
+    with ctx.timed("plan_auto"):
+        options, selections, candidates = budget_search(base, ctx, budget)
+        choice = search.greedy(
+            options, selections.peak, target, excess_of=selections.excess,
+            small_graph=len(base.index.names) <= heuristics.SMALL_GRAPH_NODES)
+    plan, planned = selections.results[frozenset(choice.options)]
+    note = _budget_note(base, ctx, target, slack, choice, len(options))
+    warning = None
+    if not choice.fits:
+        warning = _unmet_warning(base, ctx, target, choice, name)
+        note += f"; {warning[len('sntf: '):]}"
+        if ctx.budget_behaviour == "unchanged":
+            return Fitted(identity_plan("auto", note), None, choice, candidates, warning)
+    plan = dataclasses.replace(plan, policy="auto", notes=(note,))
+    if planned is None or planned.graph_def is base.graph_def:
+        return Fitted(plan, None, choice, candidates, warning)
+    # As in the recompute stage: swaps and clones keep reads alive too.
+    plan, planned = updates_in_place(plan, planned, base, ctx)
+    if plan.swaps:
+        plan = dataclasses.replace(plan, notes=plan.notes + (
+            cache_note(planned.facts, budget, outside),))
+    return Fitted(plan, planned, choice, candidates, warning)
+
+
+def _budget_note(base, ctx: Context, target: int, slack: int, choice, options: int) -> str:
+    counts = {a: sum(1 for o in choice.options if o.action == a)
+              for a in (RECOMPUTE, SWAP)}
+    return (f"auto: budget {ctx.budget} bytes (plan target {target} bytes: margin "
+            f"{ctx.budget_margin:g}, {ctx.outside_bytes} bytes held outside the "
+            f"graph, {slack} bytes of allocator slack), predicted peak "
+            f"{base.facts.budget_peak_bytes} -> planned {choice.peak} bytes with "
+            f"{counts[RECOMPUTE]} buffer(s) recomputed and "
+            f"{counts[SWAP]} swapped of {options} option(s), "
+            f"{choice.seconds * 1e3:.3f} ms predicted extra per step, "
+            f"{choice.evaluations} plan(s) evaluated")
+
+
+def _unmet_warning(base, ctx: Context, target: int, choice, name: str) -> str:
+    behaviour = ctx.budget_behaviour
+    return (f"sntf: budget {ctx.budget} bytes cannot be met for graph "
+            f"{name or '?'} (plan target {target} bytes, "
+            f"budget_margin {ctx.budget_margin:g}): the least "
+            "planned peak is "
+            f"{choice.peak} bytes (lower bound of any plan "
+            f"{base.facts.lower_bound_bytes} bytes); "
+            + ("applying that plan (budget_behaviour='best_effort')"
+               if behaviour == "best_effort" else
+               "graph left unchanged (budget_behaviour='unchanged')"))

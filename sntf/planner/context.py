@@ -1,0 +1,67 @@
+"""What planning needs besides the graph: the user's settings, the device,
+and a way to try a plan.
+
+The planner never rewrites a graph itself: `Context.evaluate` (supplied by
+the pass, which owns the rewrite) applies a plan to an analyzed graph and
+analyzes the result, so that the planner can compare plans by their planned
+peaks while dependencies keep pointing one way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Callable, Optional
+
+from sntf.planner import heuristics
+from sntf.planner.plan import Plan
+
+# (plan, analyzed graph) -> the rewritten graph analyzed, or None when the
+# plan changes nothing. Raises when the rewrite is malformed.
+Evaluate = Callable[[Plan, object], Optional[object]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """The settings a policy plans under.
+
+    Attributes:
+      evaluate: tries a plan (see module docstring).
+      recompute_mode: "speed", "memory" or "auto".
+      swap_min_bytes: smaller tensors are never swapped.
+      bandwidth: bytes per second between the device and the host pool.
+      onednn: whether oneDNN pairs forward ops with their gradients.
+      budget: the device budget in bytes, or None.
+      outside_bytes: device bytes held outside the graph (budgets only).
+      budget_margin: share of the budget held back for the analysis' error.
+      budget_behaviour: "best_effort" or "unchanged" when no plan fits.
+      stage_seconds: where the wall time of each planning stage is added
+        (the report's field), or None.
+    """
+
+    evaluate: Evaluate
+    recompute_mode: str = "auto"
+    swap_min_bytes: int = 1 << 20
+    bandwidth: float = heuristics.PCIE4_X16_BYTES_PER_SECOND
+    onednn: bool = True
+    budget: Optional[int] = None
+    outside_bytes: int = 0
+    budget_margin: float = 0.10
+    budget_behaviour: str = "best_effort"
+    stage_seconds: Optional[dict] = None
+
+    @contextlib.contextmanager
+    def timed(self, stage: str):
+        """Adds the wall time of a planning stage to stage_seconds."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.stage_seconds is not None:
+                self.stage_seconds[stage] = time.perf_counter() - start
+
+
+def protected(index) -> frozenset:
+    """Nodes no plan may touch: the fetch nodes and the nodes to preserve."""
+    return frozenset(index.fetch) | frozenset(index.preserve)

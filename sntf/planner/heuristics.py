@@ -1,0 +1,52 @@
+"""Every tunable of the planner, named: replace one here, never inline it.
+
+Each value says what it trades; measured effects are in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------- recompute
+# Modes the recompute planner itself plans; "auto" chooses between them per
+# segment on the planned timeline (sntf.planner.modes).
+RECOMPUTE_MODES = ("speed", "memory")
+# Longest chain of cheap ops re-run to rebuild one tensor: recompute chains
+# stop at checkpoints and never run back through a long residual chain.
+MAX_RECOMPUTE_CHAIN = 8
+# The same, when checkpoint ops are re-run too (segment_checkpoints): a
+# segment of a few convolutions, each with Keras' unfused BatchNormalization
+# (about a dozen ops) and an activation.
+MAX_SEGMENT_CHAIN = 48
+# Memory-centric recomputation also plans re-running checkpoint ops
+# (convolutions, matmuls) in segments of up to this many each, and keeps
+# the plan planned lowest.
+MEMORY_SEGMENTS = (2, 3)
+# A plan with variable updates ordered after their reads' readers may plan
+# this much higher and still be taken: the allocator model, which replays
+# one step from an empty allocator, cannot see the copies of variables the
+# edges avoid in the steps after the first.
+UPDATE_ORDER_SLACK_BYTES = 64 << 10
+
+# ---------------------------------------------------------------- swap
+# A swap-in serves the backward readers that run within this many transfer
+# times of the group's first reader; a later reader gets its own swap-in, so
+# the tensor does not sit on the device between distant readers.
+SWAP_WINDOW_TRANSFERS = 4.0
+# Host link bandwidth of a graph placed on a GPU: PCIe 4.0 x16, sustained.
+# On CPU a swap is a host memcpy at the cost model's memory bandwidth. A
+# constant, never a rate measured at run time, so that the same graph gets
+# the same plan on a busy machine as on an idle one.
+PCIE4_X16_BYTES_PER_SECOND = 25e9
+
+# ---------------------------------------------------------------- budgets
+# The budget search (sntf.planner.search): small graphs evaluate quickly
+# (milliseconds per planned peak), so their local search may spend this
+# many times its evaluations.
+SMALL_GRAPH_SEARCH = 40
+# A graph is searched as small only up to this many nodes: the small-graph
+# search evaluates up to thousands of plans, and a plan's analysis grows
+# with the graph. A node count, never a measured time, so that the same
+# graph takes the same search on a busy machine as on an idle one.
+SMALL_GRAPH_NODES = 400
+# Below this cuDNN is left its smallest algorithms only; 0 would forbid any
+# workspace and fail some convolutions outright.
+MIN_CUDNN_WORKSPACE_MB = 32

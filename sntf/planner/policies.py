@@ -1,0 +1,253 @@
+"""Policies: per-tensor questions, and the combinators that compose them.
+
+A leaf policy (`Stage`) asks one question of every forward tensor the
+backward pass reads: can it be recomputed, or can it be swapped? Its
+planner answers per tensor with a recipe or the reason the tensor is kept.
+Combinators decide how the answers become one plan:
+
+    Then(a, b)       a, then b over the graph a left; a stage that would not
+                     lower the planned peak is not applied
+    LowerOf(a, b)    the lower planned peak of a and b (a on a tie)
+    FitBudget(a, b)  per buffer keep, or one of a's or b's answers, the least
+                     predicted time that fits the budget; without a budget,
+                     its fallback policy
+    Keep()           nothing moves (policy "off")
+
+The user's policies are compositions (POLICIES):
+
+    "recompute"       Then(recompute)
+    "swap"            Then(swap)
+    "swap+recompute"  LowerOf(Then(recompute, swap), Then(swap))
+    "auto"            FitBudget(recompute, swap, fallback="swap+recompute")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from sntf.planner import budget as budget_planning
+from sntf.planner import modes
+from sntf.planner.backward import backward_read_tensors, tensor_name
+from sntf.planner.context import Context
+from sntf.planner.plan import KEEP, Plan, acting, identity_plan, keep
+
+OFF_NOTE = "policy 'off': graph left as TensorFlow built it"
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """A policy's result on one analyzed graph.
+
+    Attributes:
+      plan: the Plan (KEEP decisions included, with their reasons).
+      planned: the rewritten graph analyzed, or None when nothing changed.
+      cache_headroom: with conditional swaps, the bytes of swapped tensors
+        the device may keep (the rewrite writes it onto the cache ops).
+      fields: report fields the policy fills (budget_fits, ...).
+      warnings: messages to log once.
+    """
+
+    plan: Plan
+    planned: Optional[object] = None
+    cache_headroom: Optional[int] = None
+    fields: dict = dataclasses.field(default_factory=dict)
+    warnings: tuple = ()
+
+
+@dataclasses.dataclass
+class _Run:
+    """Stages run so far: the graph they left, what they decided, and the
+    reasons each tensor was kept."""
+
+    current: object
+    decisions: list
+    notes: list
+    recomputes: tuple = ()
+    swaps: tuple = ()
+    kept: dict = dataclasses.field(default_factory=dict)   # tensor -> [reasons]
+
+    def keep_reasons(self, plan: Plan, prefix: str = "") -> None:
+        for d in plan.decisions:
+            if d.action == KEEP:
+                self.kept.setdefault(d.tensor, []).append(prefix + d.reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """A leaf: one question per tensor ("recompute" or "swap")."""
+
+    kind: str
+
+    @property
+    def label(self) -> str:
+        return self.kind
+
+    def propose(self, base, ctx: Context):
+        """The stage's plan on `base`, tried: (plan, analyzed or None)."""
+        with ctx.timed(f"plan_{self.kind}"):
+            if self.kind == "recompute":
+                return modes.recompute(base, ctx)
+            plan = budget_planning.swap_stage(base, ctx, ctx.budget)
+            return plan, ctx.evaluate(plan, base)
+
+
+@dataclasses.dataclass(frozen=True)
+class Then:
+    """Stages in order, each over the graph the previous one left; a stage
+    is applied only if it lowers the planned peak."""
+
+    parts: tuple
+
+    @property
+    def label(self) -> str:
+        return " then ".join(p.label for p in self.parts)
+
+    def run(self, base, ctx: Context) -> _Run:
+        run = _Run(current=base, decisions=[], notes=[])
+        for stage in self.parts:
+            plan, planned = stage.propose(run.current, ctx)
+            run.keep_reasons(plan)
+            if planned is None:
+                run.notes.extend(plan.notes)
+                continue
+            if planned.peak >= run.current.peak:
+                count = len(plan.recomputes) + len(plan.swaps)
+                why = (f"{stage.kind}: {count} tensor(s) planned but not applied: the "
+                       f"predicted peak would not fall ({run.current.peak} -> "
+                       f"{planned.peak} bytes)")
+                run.notes.append(why)
+                for d in acting(plan.decisions):
+                    run.kept.setdefault(d.tensor, []).append(why)
+                continue
+            run.current = planned
+            run.decisions.extend(acting(plan.decisions))
+            run.notes.extend(plan.notes)
+            run.recomputes += plan.recomputes
+            run.swaps += plan.swaps
+        return run
+
+
+@dataclasses.dataclass(frozen=True)
+class LowerOf:
+    """The composition planned lower of two (the first on a tie)."""
+
+    parts: tuple
+
+    @property
+    def label(self) -> str:
+        return self.parts[0].label
+
+    def run(self, base, ctx: Context) -> _Run:
+        first, second = self.parts
+        run = first.run(base, ctx)
+        other = second.run(base, ctx)
+        if other.current.peak < run.current.peak:
+            other.notes = other.notes + [
+                f"{first.label} planned {run.current.peak} bytes, {second.label} alone "
+                f"{other.current.peak}: {second.label} alone applied"]
+            for tensor, reasons in run.kept.items():
+                other.kept.setdefault(tensor, []).extend(reasons)
+            return other
+        return run
+
+
+@dataclasses.dataclass(frozen=True)
+class Keep:
+    """Nothing moves."""
+
+    label = "off"
+
+
+@dataclasses.dataclass(frozen=True)
+class FitBudget:
+    """Per buffer keep, or one of its stages' answers: the least predicted
+    extra time whose planned peak fits ctx.budget (sntf.planner.budget);
+    without a budget, the fallback composition."""
+
+    parts: tuple
+    fallback: object
+
+    @property
+    def label(self) -> str:
+        return "auto"
+
+
+RECOMPUTE_STAGE, SWAP_STAGE = Stage("recompute"), Stage("swap")
+SWAP_AND_RECOMPUTE = LowerOf((Then((RECOMPUTE_STAGE, SWAP_STAGE)), Then((SWAP_STAGE,))))
+POLICIES = {
+    "off": Keep(),
+    "recompute": Then((RECOMPUTE_STAGE,)),
+    "swap": Then((SWAP_STAGE,)),
+    "swap+recompute": SWAP_AND_RECOMPUTE,
+    "auto": FitBudget((RECOMPUTE_STAGE, SWAP_STAGE), fallback=SWAP_AND_RECOMPUTE),
+}
+
+
+def plan(policy: str, base, ctx: Context, name: str = "") -> Outcome:
+    """Plans an analyzed training graph under a user policy.
+
+    Args:
+      policy: a key of POLICIES.
+      base: the analyzed graph (sntf.analysis.Analyzed).
+      ctx: the planning context.
+      name: the graph's name, for messages.
+
+    Returns:
+      The Outcome.
+    """
+    composition = POLICIES[policy]
+    if isinstance(composition, Keep):
+        return Outcome(_with_keeps(identity_plan(policy, OFF_NOTE), base, {},
+                                   "policy 'off'"))
+    if isinstance(composition, FitBudget):
+        if ctx.budget is not None:
+            return _fitted(base, ctx, name)
+        composition = composition.fallback
+    run = composition.run(base, ctx)
+    modified = run.current.graph_def is not base.graph_def
+    notes, headroom = list(run.notes), None
+    cache_budget = ctx.budget if run.swaps else None
+    if cache_budget is not None:
+        headroom = budget_planning.cache_headroom(run.current.facts, cache_budget,
+                                                  ctx.outside_bytes)
+        notes.append(budget_planning.cache_note(run.current.facts, cache_budget,
+                                                ctx.outside_bytes))
+    result = Plan(policy=policy, decisions=tuple(run.decisions), notes=tuple(notes),
+                  recomputes=run.recomputes, swaps=run.swaps, cache_budget=cache_budget)
+    return Outcome(_with_keeps(result, base, run.kept, f"policy {policy!r}"),
+                   run.current if modified else None, headroom)
+
+
+def _fitted(base, ctx: Context, name: str) -> Outcome:
+    fitted = budget_planning.fit_budget(base, ctx, name)
+    choice = fitted.choice
+    fields = {"budget_fits": choice.fits, "predicted_seconds_added": choice.seconds}
+    if not choice.fits:
+        fields["achievable_peak_bytes"] = choice.peak
+    kept: dict = {}
+    for candidate in fitted.candidates:
+        for d in candidate.decisions:
+            why = (d.reason if d.action == KEEP else
+                   "budget: " + ("met without it" if choice.fits else "not applied"))
+            kept.setdefault(d.tensor, []).append(why)
+    headroom = None
+    if fitted.planned is not None and fitted.plan.swaps:
+        headroom = budget_planning.cache_headroom(fitted.planned.facts, ctx.budget,
+                                                  ctx.outside_bytes)
+    warnings = (fitted.warning,) if fitted.warning else ()
+    return Outcome(_with_keeps(fitted.plan, base, kept, "policy 'auto'"),
+                   fitted.planned, headroom, fields, warnings)
+
+
+def _with_keeps(result: Plan, base, kept: dict, default: str) -> Plan:
+    """The plan with a KEEP decision for every forward tensor the backward
+    pass reads that it does not move, each with the reasons gathered."""
+    acted = {d.tensor for d in result.decisions}
+    keeps = []
+    for t in backward_read_tensors(base.index, base.facts):
+        name = tensor_name(base.index, t)
+        if name not in acted:
+            reasons = list(dict.fromkeys(kept.get(name, ()))) or [f"kept: {default}"]
+            keeps.append(keep(name, "; ".join(reasons)))
+    return dataclasses.replace(result, decisions=result.decisions + tuple(keeps))

@@ -1,0 +1,327 @@
+"""Superneurons' cost-aware recomputation: one question per forward tensor
+the backward pass reads, "can it be rebuilt cheaply just before it is
+needed?", answered with a recipe or the reason it is kept."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Union
+
+from sntf.graph import optable
+from sntf.graph.phases import BACKWARD, FORWARD
+from sntf.graph.regions import control_flow_region, loop_ops
+from sntf.planner import heuristics
+from sntf.planner import backward
+from sntf.planner.backward import (backward_read_by_buffer, backward_read_tensors,
+                                   control_flow_note, read_under_control_flow,
+                                   tensor_name)
+from sntf.planner.plan import (RECOMPUTE, Decision, Plan, Recompute, RecomputeGroup,
+                               identity_plan, keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    """What one call of plan_recompute decides every tensor by."""
+
+    g: object
+    facts: object
+    mode: str
+    memory_tensors: frozenset
+    step_of: dict            # node -> position in the order readers are sorted by
+    cost_step: dict          # node -> schedule step (step_seconds' index)
+    why_not: Callable[[int], Optional[str]]   # why a node may not be re-run
+    kept: set                # nodes whose outputs chains start from
+    max_chain: int
+    segments: int            # segment_checkpoints
+
+    def recomputable(self, i: int) -> bool:
+        return self.why_not(i) is None
+
+
+def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
+                   memory_tensors: frozenset = frozenset(),
+                   order: Optional[tuple] = None,
+                   segment_checkpoints: int = 0) -> Plan:
+    """Superneurons' cost-aware recomputation of cheap forward tensors.
+
+    A cheap forward tensor (activation, normalization, pooling, dropout...)
+    that the backward pass reads is not kept from forward to backward: its
+    chain of cheap ops is cloned from the nearest checkpoints and re-run just
+    before its first backward reader, released by a control edge from a
+    backward op that reaches that reader.
+
+    Args:
+      g: the graph index (sntf.graph.GraphIndex).
+      facts: the analysis of g (sntf.analysis.Analysis).
+      mode: "speed" (one clone serves every backward reader) or "memory"
+        (one clone per reader, freed right after it).
+      protected: node indices that must not be recomputed (fetch, preserve).
+      memory_tensors: "node:port" names planned memory-centric whatever the
+        mode (the auto mode chooses them from a planned timeline).
+      order: the node order readers are sorted by and release points picked
+        on; None: facts.schedule, the predicted executor order.
+      segment_checkpoints: 0 keeps every checkpoint op's output (the
+        paper's rule). N > 0 also re-runs checkpoint ops (convolutions,
+        matmuls) in chains of up to N of them, keeping only the inputs of
+        each chain (see _segment_inputs).
+
+    Returns:
+      A Plan with one RECOMPUTE decision and one Recompute recipe per
+      recomputed tensor, and a KEEP decision with its reason for every other
+      forward tensor the backward pass reads.
+    """
+    if mode not in heuristics.RECOMPUTE_MODES:
+        raise ValueError(f"unknown recompute mode {mode!r}; modes: "
+                         f"{heuristics.RECOMPUTE_MODES}")
+    if loop_ops(g):
+        return identity_plan("recompute", "control flow present (a loop): "
+                             "not recomputed")
+    region = control_flow_region(g)
+    setting = _setting(g, facts, mode, protected, region, memory_tensors, order,
+                       segment_checkpoints)
+    candidates, kept = [], {}
+    for t in backward_read_tensors(g, facts):
+        answer = _recompute_one(setting, t, region)
+        if isinstance(answer, str):
+            kept[tensor_name(g, t)] = answer
+        else:
+            candidates.append(answer)
+    recipes, decisions, dropped = _whole_buffers(g, facts, candidates)
+    kept.update(dropped)
+    notes = (f"recompute ({mode}): {len(recipes)} tensor(s)", *control_flow_note(region))
+    keeps = tuple(keep(t, f"recompute: {why}") for t, why in kept.items())
+    return Plan(policy="recompute", decisions=tuple(decisions) + keeps, notes=notes,
+                recomputes=tuple(recipes))
+
+
+def _setting(g, facts, mode, protected, region, memory_tensors, order,
+             segments) -> _Setting:
+    cost_step = {node: s for s, node in enumerate(facts.schedule)}
+    step_of = {node: s for s, node in enumerate(order)} if order else cost_step
+    phases = facts.node_phases
+    classes = (optable.CHEAP, optable.CHECKPOINT) if segments else (optable.CHEAP,)
+
+    def why_not(i: int) -> Optional[str]:
+        return _not_recomputable(g, phases, protected, region, classes, i)
+
+    def recomputable(i: int) -> bool:
+        return why_not(i) is None
+
+    if segments:
+        # Chains start from the kept segment inputs and rebuild everything
+        # between them, the tensors the backward pass reads included.
+        kept = segment_inputs(g, facts, recomputable, segments)
+        max_chain = heuristics.MAX_SEGMENT_CHAIN
+    else:
+        # Tensors the backward pass reads stay alive until then anyway: a
+        # chain starts from them rather than re-running what produced them.
+        kept = {i for i in range(len(g.names))
+                if any(phases[c] == BACKWARD for c, _, _ in g.consumers[i])}
+        max_chain = heuristics.MAX_RECOMPUTE_CHAIN
+    return _Setting(g, facts, mode, memory_tensors, step_of, cost_step, why_not,
+                    kept, max_chain, segments)
+
+
+def _not_recomputable(g, phases, protected, region, classes, i: int) -> Optional[str]:
+    """Why node i may not be re-run, or None when it may."""
+    op = g.ops[i]
+    if phases[i] != FORWARD:
+        return "not a forward op"
+    if i in protected:
+        return "a fetched or preserved node"
+    if i in region:
+        return "under control flow"
+    if op in optable.NEVER_RECOMPUTE_OPS:
+        return f"{op} is never re-run"
+    if optable.op_class(op) not in classes:
+        return (f"{op} is a checkpoint" if optable.op_class(op) == optable.CHECKPOINT
+                else f"{op} is not known to be cheap")
+    if optable.is_update_op(op):
+        return f"{op} writes a variable"
+    return None
+
+
+def _recompute_one(s: _Setting, t: tuple, region) -> Union[str, tuple]:
+    """The candidate (buffer, tensor, Recompute, Decision) that rebuilds
+    forward tensor t, or the reason t is kept."""
+    g, facts = s.g, s.facts
+    producer, port = t
+    why = s.why_not(producer)
+    if why is not None:
+        return why
+    if g.ops[producer] in optable.ALIAS_OPS:
+        return f"{g.ops[producer]} is a view of its input"
+    if s.segments and producer in s.kept:
+        return "a segment input, kept"
+    buffer = facts.buffer_of(t)
+    # With segments, readers of the shape alone keep the original (as in
+    # plan_swap): they run as soon as it exists, and a clone's release point
+    # cannot be found for them, so a conv output that a Shape op reads
+    # (graphs with a dynamic batch) would never be recomputed. Under the
+    # paper's rule such tensors stay kept: recomputing them too planned
+    # higher.
+    readers = [(c, slot) for c, slot, p in g.consumers[producer]
+               if p == port and facts.node_phases[c] == BACKWARD
+               and not (s.segments and g.ops[c] in optable.METADATA_OPS)]
+    if not readers:
+        return "read by the backward pass for its shape only"
+    if read_under_control_flow(g, t, region):
+        return "read under control flow"
+    chain = _chain(g, producer, s.recomputable, s.kept, s.max_chain)
+    if chain is None:
+        return f"its recompute chain is longer than {s.max_chain} ops"
+    chain = sorted(chain, key=s.step_of.get)
+    name = tensor_name(g, t)
+    groups = _groups(g, readers, "memory" if name in s.memory_tensors else s.mode,
+                     s.step_of, facts)
+    if not groups:
+        return "no backward op can release its recomputation"
+    recipe = Recompute(tensor=name, chain=tuple(g.names[i] for i in chain),
+                       groups=tuple(groups))
+    seconds = sum(facts.step_seconds[s.cost_step[i]] for i in chain) * len(groups)
+    decision = Decision(
+        tensor=name, action=RECOMPUTE,
+        reason=(f"{'' if s.segments else 'cheap '}{g.ops[producer]} "
+                f"output read by {len(readers)} "
+                f"backward op(s); {len(chain)} op(s) re-run "
+                f"{'per reader' if len(groups) > 1 else 'once'}"),
+        bytes_saved=facts.buffer_bytes.get(buffer, 0), seconds_added=seconds)
+    return buffer, t, recipe, decision
+
+
+def _whole_buffers(g, facts, candidates):
+    """Keeps the candidates whose buffer is freed by the plan.
+
+    An op that runs in place (a ReLU after a BatchNorm's add) leaves its
+    output in its input's buffer, so that buffer is what the backward pass
+    keeps alive. It dies early only if every tensor living in it that the
+    backward pass reads is recomputed; recomputing some of them saves
+    nothing, so those are dropped. Each buffer's bytes count once.
+
+    Returns:
+      (recipes, decisions, {dropped tensor: why}).
+    """
+    backward_read = backward_read_by_buffer(g, facts)
+    # A clone may still read the original of another recomputed tensor (a
+    # ResNet block's output feeds the next block's join); that only moves the
+    # original's death to the clone, earlier in the backward pass, which the
+    # planned analysis accounts for.
+    covered = {}
+    for buffer, t, _, _ in candidates:
+        covered.setdefault(buffer, set()).add(t)
+    kept, dropped = [], {}
+    for c in candidates:
+        if backward_read.get(c[0], set()) - covered[c[0]]:
+            dropped[c[2].tensor] = "its buffer holds another tensor that is kept"
+        elif c[0] in _chain_input_buffers(g, facts, c[2]):
+            dropped[c[2].tensor] = "its recomputation would read its own buffer"
+        else:
+            kept.append(c)
+    recipes, decisions, counted = [], [], set()
+    for buffer, t, recipe, decision in kept:
+        if buffer in counted:
+            decision = dataclasses.replace(
+                decision, bytes_saved=0,
+                reason=decision.reason + "; shares its buffer with another "
+                "recomputed tensor")
+        counted.add(buffer)
+        recipes.append(recipe)
+        decisions.append(decision)
+    return recipes, decisions, dropped
+
+
+def _chain_input_buffers(g, facts, recipe) -> set:
+    """Buffers a recipe's clones read: a chain rooted in its own tensor's
+    buffer (a ReLU computed in place over a kept MatMul output) frees nothing."""
+    members = {g.node(name) for name in recipe.chain}
+    return {facts.buffer_of((p, port)) for i in members
+            for p, port in g.data_inputs[i] if p not in members}
+
+
+def _chain(g, producer: int, recomputable, kept: set,
+           max_chain: int = heuristics.MAX_RECOMPUTE_CHAIN) -> Optional[list]:
+    """The nodes to re-run for `producer` (on its device: clones run where
+    their originals did), or None if the chain is too long."""
+    chain, stack = {producer}, [producer]
+    while stack:
+        node = stack.pop()
+        for p, _ in g.data_inputs[node]:
+            if p in chain or p in kept or not _walkable(g, p, producer, recomputable):
+                continue
+            chain.add(p)
+            if len(chain) > max_chain:
+                return None
+            stack.append(p)
+    return list(chain)
+
+
+def _walkable(g, p: int, node: int, recomputable) -> bool:
+    """Whether a chain that re-runs `node` may re-run its input `p` too."""
+    return (recomputable(p) and g.ops[p] not in optable.RECOMPUTE_VIEW_OPS
+            and g.devices[p] == g.devices[node])
+
+
+def segment_inputs(g, facts, recomputable, per_segment: int) -> set:
+    """The nodes whose outputs are kept when checkpoint ops are recomputed.
+
+    Walking the forward pass in schedule order, each recomputable node
+    gets the chain that would rebuild it from kept tensors. A node whose
+    chain would hold more than `per_segment` checkpoint ops (convolutions,
+    matmuls) or more than MAX_SEGMENT_CHAIN nodes keeps its own inputs
+    instead, which starts a new segment there: a ResNet block's input (the
+    chain of a block's first convolution would otherwise run back along the
+    shortcut into the blocks before), every few layers of a VGG chain. What
+    no chain may re-run (variables, concatenations, pools, other devices)
+    is kept anyway.
+
+    Args:
+      g, facts: the graph index and its analysis.
+      recomputable: node index -> whether it may be re-run.
+      per_segment: most checkpoint ops per segment.
+
+    Returns:
+      The node indices whose outputs are kept.
+    """
+    chains, kept = {}, set()
+    for node in facts.schedule:
+        if not recomputable(node):
+            continue
+        inputs = [p for p, _ in g.data_inputs[node]
+                  if p in chains and p not in kept and _walkable(g, p, node, recomputable)]
+        chain = frozenset({node}).union(*(chains[p] for p in inputs))
+        checkpoints = sum(optable.op_class(g.ops[i]) == optable.CHECKPOINT
+                          for i in chain)
+        if checkpoints > per_segment or len(chain) > heuristics.MAX_SEGMENT_CHAIN:
+            kept.update(inputs)
+            chain = frozenset({node})
+        chains[node] = chain
+    return kept
+
+
+
+def _groups(g, readers, mode, step_of, facts) -> list:
+    """Groups of backward readers, each with the node that releases its clone."""
+    readers = sorted(readers, key=lambda r: step_of[r[0]])
+    batches = [readers] if mode == "speed" else [[r] for r in readers]
+    groups = []
+    for batch in batches:
+        # The gradient that reaches the group's first reader last, on the
+        # tensor's device, releases the clone: an ancestor of that reader, it
+        # runs shortly before it in any executor order. An op merely
+        # scheduled nearby may run far earlier (and the clone with it), may
+        # be another device's (a control edge across devices deadlocked a
+        # step on two logical CPUs), or may be a variable update that
+        # oneDNN later fuses with the reader ("nodes in a cycle"). Scheduled
+        # before every reader of the group, the ancestor never depends on
+        # one of them. A reader without such an input is not served.
+        c, slot = batch[0]
+        device = g.devices[g.data_inputs[c][slot][0]]
+        # No compute to cover (0.0), so step_of may be another order than
+        # facts.schedule (plan_recompute's `order`).
+        trigger = backward.gradient_ancestor(g, facts, step_of, c, 0.0, device)
+        if trigger is None:
+            return []
+        groups.append(RecomputeGroup(
+            consumers=tuple((g.names[c], slot) for c, slot in batch),
+            trigger=g.names[trigger]))
+    return groups

@@ -1,0 +1,222 @@
+"""Superneurons' unified tensor pool: one question per forward tensor the
+backward pass reads, "can it wait in host memory and come back in time?",
+answered with a recipe or the reason it is kept."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Optional, Union
+
+from sntf.graph import optable
+from sntf.graph.phases import BACKWARD, FORWARD
+from sntf.graph.regions import control_flow_region, loop_ops
+from sntf.planner import heuristics
+from sntf.planner import backward
+from sntf.planner.backward import (backward_read_by_buffer, backward_read_tensors,
+                                   control_flow_note, read_under_control_flow,
+                                   tensor_name)
+from sntf.planner.plan import SWAP, Decision, Plan, Swap, SwapGroup, identity_plan, keep
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    """What one call of plan_swap decides every tensor by."""
+
+    g: object
+    facts: object
+    dtypes: dict
+    shapes: dict
+    min_bytes: int
+    bandwidth: float
+    protected: frozenset
+    region: frozenset
+    workspace_pairs: bool
+    step_of: dict
+    elapsed: list            # estimated compute before each step
+    backward_read: dict      # buffer -> forward tensors in it the backward pass reads
+
+
+def tensor_properties(index, props: dict) -> tuple[dict, dict]:
+    """(node, port) -> DataType and (node, port) -> static shape, from decoded
+    static properties by node name."""
+    dtypes, shapes = {}, {}
+    for name, outs in props.items():
+        if name in index.index:
+            for port, (dtype, shape) in enumerate(outs):
+                dtypes[(index.node(name), port)] = dtype
+                shapes[(index.node(name), port)] = shape
+    return dtypes, shapes
+
+
+def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
+              protected: frozenset = frozenset(), shapes: Optional[dict] = None,
+              workspace_pairs: bool = True) -> Plan:
+    """Superneurons' unified tensor pool: offload, then prefetch.
+
+    A forward tensor of at least `min_bytes` that the backward pass reads is
+    copied to the host pool by a swap-out (the device copy then dies after
+    its last forward reader) and brought back by a swap-in before its first
+    backward reader. The swap-in is released by a control edge from the
+    backward op a prefetch distance earlier: far enough back that the
+    estimated compute of the ops in between covers the transfer at
+    `bandwidth`.
+
+    Args:
+      g: the graph index (sntf.graph.GraphIndex).
+      facts: the analysis of g (sntf.analysis.Analysis).
+      dtypes: (node, port) -> DataType enum of each tensor.
+      min_bytes: smaller tensors are never swapped.
+      bandwidth: host link bandwidth in bytes per second.
+      protected: node indices that must stay as they are (fetch, preserve).
+      shapes: (node, port) -> static shape, recorded for the cache ops'
+        shape inference.
+      workspace_pairs: whether oneDNN pairs ops with their gradients (see
+        optable.WORKSPACE_PAIRS); such a pair's tensor is then not swapped.
+
+    Returns:
+      A Plan with one SWAP decision and one Swap recipe per swapped tensor,
+      and a KEEP decision with its reason for every other forward tensor the
+      backward pass reads.
+    """
+    if loop_ops(g):
+        return identity_plan("swap", "control flow present (a loop): nothing swapped")
+    region = control_flow_region(g)
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth!r}")
+    setting = _Setting(
+        g=g, facts=facts, dtypes=dtypes, shapes=shapes or {}, min_bytes=min_bytes,
+        bandwidth=bandwidth, protected=protected, region=region,
+        workspace_pairs=workspace_pairs,
+        step_of={node: s for s, node in enumerate(facts.schedule)},
+        elapsed=list(itertools.accumulate(facts.step_seconds, initial=0.0)),
+        backward_read=backward_read_by_buffer(g, facts))
+    decisions, recipes, keeps = [], [], []
+    for t in backward_read_tensors(g, facts):
+        answer = _swap_one(setting, t)
+        if isinstance(answer, str):
+            keeps.append(keep(tensor_name(g, t), f"swap: {answer}"))
+        else:
+            recipes.append(answer[0])
+            decisions.append(answer[1])
+    notes = (f"swap: {len(recipes)} tensor(s) of at least {min_bytes} bytes",
+             *control_flow_note(region))
+    return Plan(policy="swap", decisions=tuple(decisions) + tuple(keeps), notes=notes,
+                swaps=tuple(recipes))
+
+
+def _not_swappable(s: _Setting, producer: int) -> Optional[str]:
+    """Why no output of `producer` may be swapped, or None."""
+    op = s.g.ops[producer]
+    if s.facts.node_phases[producer] != FORWARD:
+        return "not a forward op"
+    if producer in s.protected:
+        return "a fetched or preserved node"
+    if producer in s.region:
+        return "under control flow"
+    if op in optable.ALIAS_OPS:
+        return f"{op} is a view of its input"
+    if op in optable.FREE_OPS or op in optable.PERSISTENT_OPS:
+        return f"{op} holds no step memory"
+    if optable.is_update_op(op):
+        return f"{op} writes a variable"
+    return None
+
+
+def _tensor_not_swappable(s: _Setting, t: tuple, buffer, size: int) -> Optional[str]:
+    """Why tensor t may not be swapped, or None."""
+    if size < max(s.min_bytes, 1):
+        return f"{size} bytes, below swap_min_bytes ({s.min_bytes})"
+    if s.dtypes.get(t) not in optable.SWAP_DTYPES:
+        return f"DataType {s.dtypes.get(t)} is not a flat buffer"
+    # An op that ran in place leaves t in its input's buffer; that buffer is
+    # freed by swapping t when t is the only tensor in it the backward pass
+    # reads.
+    if s.backward_read.get(buffer, set()) != {t}:
+        return "its buffer holds other tensors the backward pass reads"
+    if read_under_control_flow(s.g, t, s.region):
+        return "read under control flow"
+    if s.workspace_pairs and _workspace_paired(s.g, t):
+        return "paired with its gradient by oneDNN"
+    return None
+
+
+def _swap_one(s: _Setting, t: tuple) -> Union[str, tuple]:
+    """(Swap, Decision) for forward tensor t, or the reason t is kept."""
+    g, facts = s.g, s.facts
+    producer, port = t
+    why = _not_swappable(s, producer)
+    if why is not None:
+        return why
+    buffer = facts.buffer_of(t)
+    size = facts.buffer_bytes.get(buffer, 0) if buffer else 0
+    why = _tensor_not_swappable(s, t, buffer, size)
+    if why is not None:
+        return why
+    readers = sorted(((c, slot) for c, slot, p in g.consumers[producer]
+                      if p == port and facts.node_phases[c] == BACKWARD
+                      and g.ops[c] not in optable.METADATA_OPS),
+                     key=lambda r: s.step_of[r[0]])
+    transfer = size / s.bandwidth
+    groups = _swap_groups(g, facts, readers, transfer, s.step_of, s.elapsed)
+    if not groups:
+        return "no backward op can start its swap-in"
+    name = tensor_name(g, t)
+    forward = sorted({g.names[c] for c, _, p in g.consumers[producer]
+                      if p == port and (facts.node_phases[c] != BACKWARD
+                                        or g.ops[c] in optable.METADATA_OPS)})
+    recipe = Swap(tensor=name, dtype=s.dtypes[t], groups=tuple(groups),
+                  shape=s.shapes.get(t), forward_readers=tuple(forward))
+    decision = Decision(
+        tensor=name, action=SWAP,
+        reason=(f"{g.ops[producer]} output of {size} bytes read by "
+                f"{len(readers)} backward op(s); {len(groups)} swap-in(s), "
+                f"prefetched {transfer * 1e3:.3f} ms of transfer ahead"),
+        bytes_saved=size,
+        seconds_added=_exposed_transfer(groups, transfer, g, s.step_of, s.elapsed))
+    return recipe, decision
+
+
+def _workspace_paired(g, tensor: tuple) -> bool:
+    """Whether the tensor's gradient op reads it where oneDNN pairs the two."""
+    producer, port = tensor
+    return port == 0 and any(
+        optable.WORKSPACE_PAIRS.get((g.ops[producer], g.ops[c])) == slot
+        for c, slot, p in g.consumers[producer] if p == port)
+
+
+def _swap_groups(g, facts, readers, transfer, step_of, elapsed) -> list:
+    """Splits readers into swap-in windows and picks each one's prefetch trigger."""
+    groups, current = [], []
+    window = heuristics.SWAP_WINDOW_TRANSFERS * transfer
+    for reader in readers:
+        if current and (elapsed[step_of[reader[0]]]
+                        - elapsed[step_of[current[0][0]]]) > window:
+            groups.append(current)
+            current = []
+        current.append(reader)
+    if current:
+        groups.append(current)
+    result = []
+    for batch in groups:
+        c, slot = batch[0]
+        trigger = backward.gradient_ancestor(g, facts, step_of, c, transfer,
+                                    g.devices[g.data_inputs[c][slot][0]])
+        if trigger is None:
+            return []
+        result.append(SwapGroup(consumers=tuple((g.names[c], slot) for c, slot in batch),
+                                trigger=g.names[trigger]))
+    return result
+
+
+def _exposed_transfer(groups, transfer, g, step_of, elapsed) -> float:
+    """Predicted extra time: the swap-out's transfer (the tensor's forward
+    readers wait for it, see Swap.forward_readers), plus each swap-in's
+    transfer not hidden behind the ops between its trigger and its first
+    reader."""
+    exposed = transfer
+    for group in groups:
+        start = step_of[g.node(group.trigger)]
+        end = step_of[g.node(group.consumers[0][0])]
+        exposed += max(0.0, transfer - (elapsed[end] - elapsed[start]))
+    return exposed

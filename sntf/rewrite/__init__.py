@@ -1,0 +1,38 @@
+"""Rewrite: Plan + GraphDef -> GraphDef, validated.
+
+    apply     the plan's recipes and orders as new nodes and edges
+    validate  the result indexes, is acyclic and keeps its fetch nodes
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from sntf.analysis import Analyzed, analyze_graph
+from sntf.rewrite.apply import RewriteResult, apply_plan, set_cache_limits
+from sntf.rewrite.validate import validate
+
+__all__ = ["RewriteResult", "apply_plan", "evaluator", "set_cache_limits", "validate"]
+
+
+def evaluator(threads: Optional[int]):
+    """The planner's Context.evaluate: applies a plan to an analyzed graph,
+    validates the result and analyzes it.
+
+    Args:
+      threads: intra-op threads of the device, for the analysis.
+
+    Returns:
+      A callable (plan, Analyzed) -> Analyzed of the rewritten graph, or
+      None when the plan changes nothing; a malformed or cyclic result
+      raises GraphError.
+    """
+    def evaluate(plan, base: Analyzed) -> Optional[Analyzed]:
+        result = apply_plan(base.graph_def, plan)
+        if not result.modified:
+            return None
+        index = validate(result.graph_def, base.index)
+        return analyze_graph(result.graph_def, index, base.props, base.facts.batch,
+                             threads)
+
+    return evaluate

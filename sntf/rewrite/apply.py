@@ -1,0 +1,211 @@
+"""Plan + GraphDef -> new GraphDef.
+
+Never mutates its input. Generated nodes carry the marker attribute from
+`sntf.graph.names`, which is what makes the pass idempotent. A plan's
+conditional swaps (Plan.cache_budget set) become the tensor cache's ops,
+unconditional ones the swap ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sntf import planner
+from sntf.graph import names
+from sntf.graph.index import parse_input
+
+
+@dataclasses.dataclass(frozen=True)
+class RewriteResult:
+    """The rewritten graph and whether anything changed."""
+
+    graph_def: object
+    modified: bool
+
+
+def apply_plan(graph_def, plan: planner.Plan) -> RewriteResult:
+    """Applies a plan to a copy of `graph_def`.
+
+    Args:
+      graph_def: the input GraphDef (left untouched).
+      plan: the plan to apply.
+
+    Returns:
+      A RewriteResult holding a new GraphDef.
+
+    Raises:
+      ValueError: a recipe names a node the graph does not have, or a
+        decision has no recipe.
+    """
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    recipes = {planner.SWAP: {r.tensor for r in plan.swaps},
+               planner.RECOMPUTE: {r.tensor for r in plan.recomputes}}
+    for d in plan.decisions:
+        if d.action != planner.KEEP and d.tensor not in recipes[d.action]:
+            raise ValueError(f"plan decides {d.action} for {d.tensor} but holds "
+                             "no recipe for it")
+    nodes = {node.name: node for node in out.node}
+    groups = 0   # a running index keeps every clone's name unique
+    for recipe in plan.recomputes:
+        _apply_recompute(out, nodes, recipe, groups)
+        groups += len(recipe.groups)
+    for recipe in plan.swaps:
+        _apply_swap(out, nodes, recipe, plan.cache_budget)
+    for order in plan.orders:
+        _add_control_input(_node(nodes, order.after), _node(nodes, order.before))
+    return RewriteResult(graph_def=out,
+                         modified=bool(plan.recomputes or plan.swaps or plan.orders))
+
+
+def _check_device(node, trigger, tensor: str) -> None:
+    """Refuses a control edge from a trigger on another device.
+
+    A generated node runs on its tensor's device; a control edge to it from
+    another device ties the two devices' executors together (TensorFlow
+    turns it into a Send/Recv pair when it partitions the graph), and on two
+    logical CPU devices such an edge deadlocked the step. The pass then
+    hands the graph back unchanged, with the reason in its report.
+
+    Raises:
+      ValueError: naming the tensor, the trigger and both devices.
+    """
+    if node.device and trigger.device and node.device != trigger.device:
+        raise ValueError(
+            f"plan crosses devices: {tensor} needs {node.name!r} on {node.device} "
+            f"released by {trigger.name!r} on {trigger.device}")
+
+
+def _apply_swap(out, nodes: dict, recipe: planner.Swap, cache_budget) -> None:
+    """Adds a swap-out after the producer and one swap-in per group, each
+    released by its prefetch trigger, and rewires the group's readers.
+
+    Without a cache budget the pair is SnSwapOut/SnSwapIn (always copies);
+    with one it is SnCacheOut/SnCacheIn, which copy only under pressure."""
+    producer, port = names.split_tensor(recipe.tensor)
+    source = _node(nodes, producer)
+    cached = cache_budget is not None
+    swap_out = _new_node(out, names.swap_out_name(producer, port),
+                         names.CACHE_OUT_OP if cached else names.SWAP_OUT_OP,
+                         [recipe.tensor if port else producer], source.device,
+                         recipe.dtype, names.ROLE_SWAP_OUT)
+    if cached:
+        swap_out.attr["budget"].i = int(cache_budget)
+        swap_out.attr["uses"].i = len(recipe.groups)
+    for reader in recipe.forward_readers:
+        node = _node(nodes, reader)
+        # A reader on another device already waits for the tensor through
+        # TensorFlow's Send/Recv; a control edge across devices on top of it
+        # would tie the devices' executors together for nothing.
+        if not (node.device and source.device and node.device != source.device):
+            node.input.append("^" + swap_out.name)
+    for j, group in enumerate(recipe.groups):
+        _node(nodes, group.trigger)     # a missing trigger is a ValueError
+        swap_in = _new_node(out, names.swap_in_name(producer, port, j),
+                            names.CACHE_IN_OP if cached else names.SWAP_IN_OP,
+                            [swap_out.name, "^" + group.trigger], source.device,
+                            recipe.dtype, names.ROLE_SWAP_IN)
+        _check_device(swap_in, nodes[group.trigger], recipe.tensor)
+        if cached:
+            _set_shape(swap_in.attr["shape"].shape, recipe.shape)
+        for consumer, slot in group.consumers:
+            _set_data_input(_node(nodes, consumer), slot, swap_in.name)
+
+
+def _set_shape(proto, shape) -> None:
+    """Fills a TensorShapeProto: None is an unknown rank, -1 an unknown dim.
+
+    A scalar's shape has no field to fill; SetInParent still marks the
+    enclosing AttrValue as holding a shape (an AttrValue with nothing set is
+    read by TensorFlow as an unbound placeholder: "Failed to bind all
+    placeholders" when the function is instantiated)."""
+    proto.SetInParent()
+    if shape is None:
+        proto.unknown_rank = True
+        return
+    for d in shape:
+        proto.dim.add().size = int(d)
+
+
+def _new_node(out, name: str, op: str, inputs: list, device: str, dtype: int, role: str):
+    node = out.node.add()
+    node.name, node.op, node.device = name, op, device
+    node.input.extend(inputs)
+    node.attr["T"].type = dtype
+    names.mark(node, role)
+    return node
+
+
+def _apply_recompute(out, nodes: dict, recipe: planner.Recompute, first: int) -> None:
+    """Clones a recipe's chain once per group and rewires the group's readers."""
+    producer, port = names.split_tensor(recipe.tensor)
+    for j, group in enumerate(recipe.groups):
+        clones = {}
+        for name in recipe.chain:
+            original = _node(nodes, name)
+            clone = out.node.add()
+            clone.CopyFrom(original)
+            clone.name = names.recompute_name(name, first + j)
+            names.mark(clone, names.ROLE_RECOMPUTE)
+            del clone.input[:]
+            roots_only = True
+            for text in original.input:
+                src, src_port, control = parse_input(text)
+                if not control and src in clones:
+                    clone.input.append(names.tensor_name(clones[src], src_port))
+                    roots_only = False
+                else:
+                    clone.input.append(text)
+            if roots_only:
+                # Held back until the backward pass reaches this point;
+                # without it TensorFlow runs the clone at once and nothing
+                # is saved. Control inputs go after data inputs.
+                _check_device(clone, _node(nodes, group.trigger), recipe.tensor)
+                clone.input.append("^" + group.trigger)
+            clones[name] = clone.name
+            nodes[clone.name] = clone
+        for consumer, slot in group.consumers:
+            _set_data_input(_node(nodes, consumer), slot,
+                            names.tensor_name(clones[producer], port))
+
+
+def _add_control_input(node, before) -> None:
+    """Makes `node` wait for `before` (once, on the same device only)."""
+    _check_device(node, before, node.name)
+    if "^" + before.name not in node.input:
+        node.input.append("^" + before.name)
+
+
+def _node(nodes: dict, name: str):
+    if name not in nodes:
+        raise ValueError(f"plan names node {name!r}, which the graph does not have")
+    return nodes[name]
+
+
+def _set_data_input(node, slot: int, text: str) -> None:
+    """Replaces the slot-th data input of a NodeDef."""
+    data = [i for i, t in enumerate(node.input) if not t.startswith("^")]
+    node.input[data[slot]] = text
+
+
+def set_cache_limits(graph_def, budget: int, headroom: int):
+    """A copy of a graph with every tensor-cache swap-out given its run-time
+    limits: the device budget (its live-bytes test, a guard for a plan that
+    under-estimates) and the headroom (its cap on the device's cached
+    bytes; a negative headroom leaves none, and every swap copies).
+
+    Args:
+      graph_def: a rewritten GraphDef (left untouched).
+      budget: the device budget in bytes.
+      headroom: bytes of swapped tensors the device may keep.
+
+    Returns:
+      The new GraphDef.
+    """
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    for node in out.node:
+        if node.op == names.CACHE_OUT_OP:
+            node.attr["budget"].i = budget
+            node.attr["headroom"].i = max(0, headroom)
+    return out

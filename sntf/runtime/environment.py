@@ -1,0 +1,123 @@
+"""What the graph pass reads of the process, gathered for it, and the
+settings it asks for, applied.
+
+The pass itself reads nothing global and changes nothing outside the graph
+(sntf.passes); this module is where TensorFlow's runtime, the environment
+variables and the CUDA runtime are touched on its behalf.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Optional
+
+logger = logging.getLogger("sntf")
+
+# Batch size of the input Keras fit() is about to feed (set by the Keras
+# hook before the first step); the pass uses it where a graph's batch
+# dimension is unknown and no batch_size option was given.
+_runtime_batch: list = [None]
+_gpu_total: list = []
+_settings_lock = threading.Lock()
+_set_by_sntf: dict = {}       # environment variable -> the value sntf set
+
+
+def set_runtime_batch(batch: Optional[int]) -> None:
+    """Records the batch of the input about to be trained on."""
+    _runtime_batch[0] = batch
+
+
+def runtime_batch() -> Optional[int]:
+    """The batch recorded by set_runtime_batch (None if unknown)."""
+    return _runtime_batch[0]
+
+
+def onednn_enabled() -> bool:
+    """Whether TensorFlow's oneDNN graph rewrites run (TF_ENABLE_ONEDNN_OPTS;
+    on by default on x86 Linux). Unknown counts as on: the swap planner
+    then keeps oneDNN's forward/gradient pairs intact."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except Exception:  # noqa: BLE001 - a private API; the safe answer
+        return True
+
+
+def device_memory_bytes(gpu: bool = False) -> int:
+    """Total memory of the device a graph runs on.
+
+    Args:
+      gpu: the graph is placed on a GPU.
+
+    Returns:
+      The first GPU's total memory (cudaMemGetInfo of the CUDA runtime
+      TensorFlow loaded) for a GPU graph; physical RAM for a CPU graph, or
+      when the CUDA runtime cannot be asked (a warning says so once).
+    """
+    if gpu:
+        total = _gpu_memory_bytes()
+        if total:
+            return total
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _gpu_memory_bytes() -> Optional[int]:
+    """cudaMemGetInfo's total for the current GPU, asked once per process
+    (never run here: the development machines have no GPU)."""
+    if not _gpu_total:
+        import ctypes
+
+        total = None
+        for name in ("libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+            try:
+                runtime = ctypes.CDLL(name)
+            except OSError:
+                continue
+            free, size = ctypes.c_size_t(), ctypes.c_size_t()
+            if runtime.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(size)) == 0:
+                total = size.value
+            break
+        if total is None:
+            logger.warning(
+                "sntf: could not ask the CUDA runtime for the GPU's memory; "
+                "fraction and 'auto' budgets use the host's RAM instead")
+        _gpu_total.append(total)
+    return _gpu_total[0]
+
+
+def device_in_use(device: str) -> Optional[int]:
+    """Bytes a device's allocator has in use now; None where it keeps no
+    statistics (TensorFlow's default CPU allocator) or the device is absent."""
+    try:
+        from tensorflow.python.eager import context
+
+        return int(context.context().get_memory_info(device)["current"])
+    except Exception:  # noqa: BLE001 - statistics are optional
+        return None
+
+
+def current():
+    """The Environment the pass runs in, in this process now."""
+    from sntf.passes import Environment
+
+    return Environment(threads=os.cpu_count() or 1, onednn=onednn_enabled(),
+                       runtime_batch=runtime_batch(),
+                       device_memory=device_memory_bytes, in_use=device_in_use)
+
+
+def apply_settings(settings: dict) -> None:
+    """Applies the runtime settings a pass asked for: environment variables
+    read by kernels built from now on. A value the user set is left alone."""
+    for name, value in settings.items():
+        with _settings_lock:
+            ours = _set_by_sntf.get(name, "")
+            if os.environ.get(name, "") not in ("", ours):
+                continue
+            os.environ[name] = str(value)
+            if ours != str(value):
+                logger.info("sntf: %s=%s (budget headroom over the planned peak)",
+                            name, value)
+            _set_by_sntf[name] = str(value)

@@ -1,0 +1,150 @@
+"""Locates and loads sntf's compiled libraries.
+
+`_sntf_ops*.so` holds the SnSwapOut/SnSwapIn ops and the host tensor pool; it
+is loaded once with tf.load_op_library (which registers the ops) and opened a
+second time with ctypes for the pool's C API (dlopen returns the same handle,
+so both views share one pool). `_plugin*.so` is the Grappler plugin shim.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import threading
+from typing import Any, Optional
+
+# The compiled libraries sit in the package root (setup.py builds sntf._sntf_ops
+# and sntf._plugin).
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_lock = threading.Lock()
+_ops_module: Any = None
+_ops_cdll: Optional[ctypes.CDLL] = None
+
+POOL_STAT_NAMES = ("bytes_in_use", "peak_bytes_in_use", "bytes_reserved",
+                   "peak_bytes_reserved", "limit_bytes", "num_allocs",
+                   "num_frees", "active_allocs", "num_failed_allocs",
+                   "largest_free_block", "free_bytes", "num_regions",
+                   "pinned_regions", "pinned_bytes", "pin_failures")
+SWAP_STAT_NAMES = ("swap_out_ops", "swap_in_ops", "bytes_to_host",
+                   "bytes_to_device", "failed_ops", "cache_hits", "cache_misses",
+                   "cache_evictions", "cache_no_stats", "pool_fallbacks")
+
+
+# Page-locking hooks of the host pool (int pin(void*, uint64), void unpin(void*)).
+PIN_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64)
+UNPIN_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+def _find(stem: str) -> str:
+    matches = sorted(glob.glob(os.path.join(_PACKAGE_DIR, stem + "*.so")))
+    if not matches:
+        raise ImportError(
+            f"sntf: compiled library {stem}*.so not found in {_PACKAGE_DIR}; "
+            "install sntf with 'pip install --no-build-isolation -e .' so that "
+            "it is built against the installed TensorFlow")
+    return matches[0]
+
+
+def ops_library_path() -> str:
+    """Path of the compiled op library (swap ops + host pool)."""
+    return _find("_sntf_ops")
+
+
+def plugin_library_path() -> str:
+    """Path of the compiled Grappler plugin shim."""
+    return _find("_plugin")
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    u64, vp, ptr64 = ctypes.c_uint64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)
+    signatures = {
+        "sntf_pool_new": (vp, [u64, u64]),
+        "sntf_pool_delete": (None, [vp]),
+        "sntf_pool_global": (vp, []),
+        "sntf_pool_alloc": (vp, [vp, u64, ctypes.c_char_p, u64]),
+        "sntf_pool_free": (ctypes.c_int, [vp, vp]),
+        "sntf_pool_allocated_size": (u64, [vp, vp]),
+        "sntf_pool_set_limit": (None, [vp, u64]),
+        "sntf_pool_trim": (u64, [vp]),
+        "sntf_pool_reset_peak": (None, [vp]),
+        "sntf_pool_stats": (ctypes.c_int, [vp, ptr64, ctypes.c_int]),
+        "sntf_pool_fragmentation": (ctypes.c_double, [vp]),
+        "sntf_pool_set_pin_hooks": (None, [vp, PIN_FN, UNPIN_FN]),
+        "sntf_gpu_pinning": (ctypes.c_int, []),
+        "sntf_swap_stats": (ctypes.c_int, [ptr64, ctypes.c_int]),
+        "sntf_cache_clear": (ctypes.c_int64, []),
+        "sntf_cache_gauges": (ctypes.c_int, [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
+def load_ops() -> Any:
+    """Loads the op library once; returns the tf.load_op_library module."""
+    global _ops_module, _ops_cdll
+    with _lock:
+        if _ops_module is None:
+            import tensorflow as tf
+
+            path = ops_library_path()
+            module = tf.load_op_library(path)
+            if not hasattr(module, "sn_swap_out"):
+                # TensorFlow wraps only the ops registered during its own
+                # dlopen; a plain dlopen (ctypes) before it hides them.
+                raise ImportError(
+                    f"sntf: {path} was opened before TensorFlow loaded it as an "
+                    "op library, so its ops have no Python wrappers; call "
+                    "sntf.runtime.native.load_ops() before opening it with ctypes")
+            _ops_module = module
+            lib = ctypes.CDLL(path)
+            _declare(lib)
+            _ops_cdll = lib
+    return _ops_module
+
+
+def ops_cdll() -> ctypes.CDLL:
+    """The op library opened with ctypes (loaded through load_ops first)."""
+    load_ops()
+    assert _ops_cdll is not None
+    return _ops_cdll
+
+
+def pool_stats(pool: Optional[int] = None) -> dict:
+    """Statistics of a host pool (the global one by default)."""
+    lib = ops_cdll()
+    handle = pool if pool is not None else lib.sntf_pool_global()
+    values = (ctypes.c_uint64 * len(POOL_STAT_NAMES))()
+    n = lib.sntf_pool_stats(handle, values, len(POOL_STAT_NAMES))
+    stats = {name: int(values[i]) for i, name in enumerate(POOL_STAT_NAMES[:n])}
+    stats["fragmentation"] = float(lib.sntf_pool_fragmentation(handle))
+    return stats
+
+
+def swap_stats() -> dict:
+    """Counters of the swap kernels in this process."""
+    lib = ops_cdll()
+    values = (ctypes.c_uint64 * len(SWAP_STAT_NAMES))()
+    n = lib.sntf_swap_stats(values, len(SWAP_STAT_NAMES))
+    return {name: int(values[i]) for i, name in enumerate(SWAP_STAT_NAMES[:n])}
+
+
+def cache_stats() -> dict:
+    """The tensor cache's gauges: live entries and bytes kept on a device."""
+    lib = ops_cdll()
+    values = (ctypes.c_int64 * 2)()
+    lib.sntf_cache_gauges(values, 2)
+    return {"cache_entries": int(values[0]), "cached_device_bytes": int(values[1])}
+
+
+def clear_cache() -> int:
+    """Drops every tensor-cache entry (after an aborted step); returns how many."""
+    return int(ops_cdll().sntf_cache_clear())
+
+
+def set_host_pool_limit(limit_bytes: int) -> None:
+    """Sets the byte limit of the global host pool."""
+    lib = ops_cdll()
+    lib.sntf_pool_set_limit(lib.sntf_pool_global(), int(limit_bytes))

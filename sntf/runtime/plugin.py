@@ -1,0 +1,263 @@
+"""Python side of the Grappler plugin shim.
+
+The compiled shim (sntf/_plugin*.so) calls `_optimize` for every graph
+Grappler optimizes on the CPU device type. `_optimize` reads the switch state,
+runs the pass, records one report per graph, and returns new GraphDef bytes
+or None ("leave the graph unchanged"). It never raises.
+
+Registering a second CPU graph optimizer aborts TensorFlow (a CHECK failure),
+so the library is registered at most once per process: `ensure_loaded` checks
+the process-wide marker that the shim's TF_InitGraph sets, and the shim
+registers any second copy for a device type that never exists, where it never
+runs (an error status from TF_InitGraph would abort TensorFlow too).
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import importlib
+import logging
+import os
+import site
+import sys
+import threading
+from typing import Optional, Sequence
+
+from sntf import config, passes
+from sntf import report as report_schema
+from sntf.runtime import environment
+
+logger = logging.getLogger("sntf")
+
+_load_lock = threading.Lock()
+_loaded_from: Optional[str] = None
+_reports_lock = threading.Lock()
+_reports: collections.deque = collections.deque(maxlen=config.Options.max_reports)
+# Per thread: (graph key, report) of the last graph handled, so that the
+# meta-optimizer's second iteration over a graph merges into its report.
+_thread_state = threading.local()
+_logged_failures: set = set()
+MAX_LOGGED_FAILURES = 1000   # distinct messages remembered for "log once"
+_generation = 0              # bumped by clear_reports()
+
+
+def _shim():
+    return importlib.import_module("sntf._plugin")
+
+
+def _plugin_dirs() -> list[str]:
+    """site-packages/tensorflow-plugins folders TensorFlow auto-loads from."""
+    roots = [p for p in sys.path if "site-packages" in p]
+    try:
+        roots += site.getsitepackages()
+    except AttributeError:  # virtualenv's old site module
+        pass
+    dirs = {os.path.join(r, "tensorflow-plugins") for r in roots}
+    return sorted(d for d in dirs if os.path.isdir(d))
+
+
+def foreign_graph_plugins() -> list[str]:
+    """Auto-loaded libraries that register a graph optimizer and are not sntf's.
+
+    Their presence means a CPU graph optimizer may already be registered, and a
+    second one aborts TensorFlow; the file contents are searched rather than
+    loaded, so nothing runs.
+    """
+    found = []
+    for folder in _plugin_dirs():
+        for entry in sorted(os.listdir(folder)):
+            path = os.path.join(folder, entry)
+            if not entry.endswith(".so") or not os.path.isfile(path):
+                continue
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            if b"TF_InitGraph" in data and b"SNTF_PLUGIN_REGISTERED" not in data:
+                found.append(path)
+    return found
+
+
+def registered_path() -> str:
+    """Path of the sntf plugin registered in this process, or ''."""
+    return _shim().registered_path()
+
+
+def ensure_loaded() -> str:
+    """Registers the Grappler plugin once per process.
+
+    Returns:
+      The path of the registered library (possibly a copy TensorFlow
+      auto-loaded before sntf was imported).
+
+    Raises:
+      RuntimeError: another graph plugin is present, or registration failed.
+    """
+    global _loaded_from
+    with _load_lock:
+        if _loaded_from is not None:
+            return _loaded_from
+        from sntf.runtime import native
+
+        path = native.plugin_library_path()
+        shim = _shim()
+        owner = shim.registered_path()
+        if owner:
+            _loaded_from = owner
+            logger.info("sntf: graph plugin already registered by %s", owner)
+            return owner
+        foreign = foreign_graph_plugins()
+        if foreign:
+            raise RuntimeError(
+                "sntf: another TensorFlow graph plugin is installed ("
+                + ", ".join(foreign) + "); TensorFlow aborts the process when "
+                "two graph optimizers register for the same device type, so "
+                "sntf did not register its own. Remove that plugin to use sntf.")
+        from tensorflow.python.framework import load_library
+
+        try:
+            load_library.load_pluggable_device_library(path)
+        except Exception as e:  # noqa: BLE001 - re-raised with context below
+            owner = shim.registered_path()
+            if not owner:
+                raise RuntimeError(f"sntf: could not register the graph plugin "
+                                   f"{path}: {e}") from e
+        _loaded_from = shim.registered_path() or path
+        return _loaded_from
+
+
+def _log_once(key: str, message: str) -> None:
+    key = key[:200]
+    with _reports_lock:
+        if key in _logged_failures or len(_logged_failures) >= MAX_LOGGED_FAILURES:
+            return
+        _logged_failures.add(key)
+    logger.warning("%s", message)
+
+
+def _record(report: dict, key: Optional[bytes], max_reports: int) -> None:
+    """Appends a report, or merges it into this thread's previous report of
+    the same graph (Grappler's second iteration over it)."""
+    global _reports
+    with _reports_lock:
+        if _reports.maxlen != max_reports:
+            _reports = collections.deque(_reports, maxlen=max_reports)
+        previous = getattr(_thread_state, "last", None)
+        if (key is not None and previous is not None
+                and previous[:2] == (_generation, key)):
+            _merge(previous[2], report)
+            return
+        _reports.append(report)
+        _thread_state.last = (_generation, key, report)
+
+
+def _complete(deferred: dict, report: dict, key: Optional[bytes]) -> None:
+    """Replaces a deferred report by the report of the call that ran the
+    pass (counting both calls), and makes it this thread's last report."""
+    with _reports_lock:
+        invocations = deferred["invocations"] + report["invocations"]
+        seconds = deferred["pass_seconds"] + report["pass_seconds"]
+        deferred.clear()
+        deferred.update(report)
+        deferred["invocations"] = invocations
+        deferred["pass_seconds"] = seconds
+        _thread_state.last = (_generation, key, deferred)
+
+
+def _merge(first: dict, again: dict) -> None:
+    first["invocations"] += 1
+    first["pass_seconds"] += again["pass_seconds"]
+    if again["action"] == report_schema.ERROR and first["action"] != report_schema.ERROR:
+        for k in ("action", "reason", "error"):
+            first[k] = again[k]
+
+
+def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
+              properties=None) -> Optional[bytes]:
+    """Entry point called by the compiled shim for every graph.
+
+    A training graph sntf would change is rewritten the second time
+    Grappler hands it over (its last iteration, see passes.run_pass); the first
+    time it goes back unchanged, with a report that the second call
+    completes.
+
+    Args:
+      graph_bytes: serialized GraphDef.
+      fetch: fetch node names.
+      preserve: nodes-to-preserve names.
+      properties: callable giving static output properties (valid only during
+        this call).
+
+    Returns:
+      The rewritten serialized GraphDef, or None to keep the input graph.
+    """
+    try:
+        state = config.current()
+        # The meta-optimizer runs both iterations over one graph in a row on
+        # one thread: a graph deferred by this thread's previous call, with
+        # the same fetch nodes, is being handed over for the last time.
+        pending = getattr(_thread_state, "pending", None)
+        _thread_state.pending = None
+        if not state.enabled:
+            return None
+        later = (pending is not None and pending[0] == _generation
+                 and pending[1] == tuple(fetch))
+        # The pass allocates hundreds of thousands of small objects on large
+        # graphs; Python's cyclic GC then rescans the whole heap again and
+        # again (a 45k-node graph took 4 s instead of 1.3). Nothing the pass
+        # builds needs the cycle collector while it runs.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            result = passes.run_pass(graph_bytes, fetch, preserve, state, properties,
+                                     environment.current(), defer=not later)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        report = result.report
+        environment.apply_settings(result.settings)
+        for warning in result.warnings:
+            _log_once(warning, warning)
+        if result.deferred:
+            _record(report, None, state.options.max_reports)
+            _thread_state.pending = (_generation, tuple(fetch), report)
+            return None
+        out = None
+        if result.graph_def is not None:
+            out = result.graph_def.SerializeToString()
+        if report["action"] == report_schema.ERROR:
+            _log_once(report["reason"],
+                      f"sntf: graph pass failed, graph {report['graph']!r} left "
+                      f"unchanged: {report['reason']}")
+        if later:
+            _complete(pending[2], report, result.key)
+        else:
+            _record(report, result.key, state.options.max_reports)
+        return out
+    except BaseException as e:  # noqa: BLE001 - nothing may escape into TensorFlow
+        try:
+            report = report_schema.new_report()
+            report["action"] = report_schema.ERROR
+            report["reason"] = f"{type(e).__name__}: {e}"
+            _log_once(report["reason"], "sntf: graph pass failed, graph left "
+                      f"unchanged: {report['reason']}")
+            _record(report, None, config.current().options.max_reports)
+        except BaseException:  # noqa: BLE001
+            pass
+        return None
+
+
+def reports() -> list[dict]:
+    """Copies of the reports, oldest first."""
+    with _reports_lock:
+        return [dict(r) for r in _reports]
+
+
+def clear_reports() -> None:
+    """Forgets all reports (the next call to a known graph is reported anew)."""
+    global _generation
+    with _reports_lock:
+        _reports.clear()
+        _generation += 1

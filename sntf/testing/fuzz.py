@@ -1,0 +1,441 @@
+"""Fuzzes sntf's graph pass with random training graphs (hypothesis).
+
+    python benchmarks/fuzz_pass.py [--cases 1000] [--seed 0] [--mode count|strict]
+                                   [--policies recompute,swap,swap+recompute]
+                                   [--replay SPEC_JSON] [--inject_fault] [--timeout S]
+    python -m sntf.testing.fuzz ...        (the same)
+
+Each case is a random training step: a DAG of dense or conv layers,
+element-wise ops, normalizations, dropout, pooling, concatenations, splits
+and tf.cond layers, with skip connections (a layer reads any earlier tensor), on an
+input whose batch dimension is fixed or unknown (input_signature with None),
+its layers on one or two logical CPU devices, trained for two SGD steps
+(the update applied directly or under a tf.cond on finite gradients) in
+a tf.function that returns the loss, the output and every gradient. The
+same case is built twice in this one process: once with sntf disabled (the
+reference) and once with a random policy ("recompute", "swap",
+"swap+recompute"), recompute_mode (speed, memory, auto), budget (none, tiny,
+fractions, far beyond memory), swap_min_bytes and batch_size option. The
+checks, per case:
+
+  * the outputs, gradients and updated variables of both steps are
+    bitwise identical (op determinism on);
+  * no sntf report is an error, and Grappler hands each graph to the pass
+    at most twice (its meta-optimizer's iteration cap);
+  * every graph the pass rewrote indexes cleanly (no missing inputs, no
+    duplicate names) and is acyclic, keeps every fetch and preserve node
+    (same op, device and attributes) and every original node, places each
+    node sntf adds on the device of the tensor it serves with no new
+    cross-device edge (sntf/testing/workers/train_distributed.py's
+    check_placement), and is left alone by a second pass (idempotent).
+
+--mode count (the default, the benchmark) runs every case and counts
+failures; --mode strict stops at the first and lets hypothesis shrink it to
+a minimal failing spec (what tests/test_fuzz.py uses). The last line is
+
+    RESULT {"cases": ..., "failures": ..., "rewritten": ..., ...}
+
+and a summary table precedes it. A step still running after --timeout
+seconds is cancelled and its case fails as a hang. --replay runs one spec
+(the JSON a failure prints). --inject_fault corrupts every rewritten graph (a reader of a
+recomputed or swapped-in tensor reads its negation) to show that the checks
+catch a wrong rewrite.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, Optional
+
+from sntf.testing.fuzz_cases import DEVICES, POLICIES, build, case_specs, inputs
+
+# ----------------------------------------------------------------- checking
+
+
+class Harness:
+    """One process: sntf loaded once, the pass spied on, cases run in turn."""
+
+    def __init__(self, inject_fault: bool = False):
+        import tensorflow as tf
+
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in DEVICES])
+        tf.config.experimental.enable_op_determinism()
+        import logging
+
+        import sntf
+        from sntf import passes
+
+        # Budgets beyond memory warn on every enable(); the checks below read
+        # the reports, not the log.
+        logging.getLogger("sntf").setLevel(logging.ERROR)
+        self.tf, self.sntf, self.passes = tf, sntf, passes
+        self.inject_fault = inject_fault
+        self.captured: list = []
+        self._original_run_pass = passes.run_pass
+        passes.run_pass = self._spy
+        # Load the plugin now (policy "off"), then switch the pass off.
+        sntf.enable(policy="off")
+        sntf.disable()
+
+    def _spy(self, graph_bytes, fetch, preserve, state, *args, **kwargs):
+        """passes.run_pass as the plugin calls it, keeping what went in
+        and out (and, with --inject-fault, corrupting what goes back)."""
+        result = self._original_run_pass(graph_bytes, fetch, preserve, state,
+                                         *args, **kwargs)
+        if state.enabled:
+            if self.inject_fault and result.graph_def is not None:
+                _corrupt(result.graph_def)
+            self.captured.append((graph_bytes, list(fetch), list(preserve), state,
+                                  result))
+        return result
+
+    def _train(self, spec: dict) -> list:
+        from tensorflow.python.eager import cancellation
+
+        step, variables = build(spec, self.tf)
+        # Cancellable, so that a deadlocked step (the watchdog cancels it)
+        # fails that case instead of hanging the whole run.
+        self.cancellation = cancellation.CancellationManager()
+        call = self.cancellation.get_cancelable_function(step.get_concrete_function())
+        outputs = []
+        for x in inputs(spec):
+            outputs += [t.numpy() for t in call(self.tf.constant(x))]
+        return outputs + [v.numpy() for v in variables]
+
+    def run_case(self, spec: dict, timeout: float = 120.0) -> dict:
+        """Runs one case; returns {"problems": [...], ...counts}.
+
+        A case that has not finished after `timeout` seconds is a hang (a
+        deadlocked executor cannot be interrupted from Python): the spec is
+        printed and the process exits with status 3."""
+        import threading
+
+        done = threading.Event()
+        self.hung = False
+
+        def watchdog():
+            if done.wait(timeout):
+                return
+            # Cancel the step (its blocked Recv/ops then fail the case); if
+            # that does not end it either, give up on the whole run.
+            self.hung = True
+            manager = getattr(self, "cancellation", None)
+            if manager is not None:
+                manager.start_cancel()
+            if not done.wait(30.0):
+                print(f"\nHUNG after {timeout:.0f} s: SPEC " + json.dumps(spec),
+                      flush=True)
+                print("RESULT " + json.dumps({"failures": 1, "hung": spec}), flush=True)
+                os._exit(3)
+
+        threading.Thread(target=watchdog, daemon=True).start()
+        try:
+            return self._run_case(spec)
+        finally:
+            done.set()
+
+    def _run_case(self, spec: dict) -> dict:
+        from sntf.runtime import plugin
+
+        sntf = self.sntf
+        outcome: dict[str, Any] = {"problems": [], "rewritten": False, "swapped": 0,
+                                   "recomputed": 0, "cache_ops": False,
+                                   "graphs": 0, "passed": []}
+        sntf.disable()
+        reference = self._train(spec)
+        options = {"recompute_mode": spec["recompute_mode"],
+                   "swap_min_bytes": spec["swap_min_bytes"]}
+        if spec["batch_size_option"]:
+            options["batch_size"] = spec["batch"]
+        self.captured.clear()
+        plugin.clear_reports()
+        try:
+            sntf.enable(policy=spec["policy"], budget=spec["budget"], **options)
+            try:
+                got = self._train(spec)
+            finally:
+                sntf.disable()
+        except Exception:  # noqa: BLE001 - a failure of the case, reported
+            what = ("hung (the step was cancelled)" if self.hung
+                    else "training with sntf raised")
+            outcome["problems"].append(f"{what}:\n" + traceback.format_exc(limit=6))
+            return outcome
+        if len(got) != len(reference):
+            outcome["problems"].append(f"{len(got)} results, expected {len(reference)}")
+        for n, (a, b) in enumerate(zip(reference, got)):
+            if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
+                outcome["problems"].append(f"result {n} differs (dtype {a.dtype}/"
+                                           f"{b.dtype}, shape {a.shape}/{b.shape})")
+                break
+        for report in sntf.reports():
+            if report["action"] == "error":
+                outcome["problems"].append(f"error report: {report['reason']}")
+            if report["invocations"] > 2:
+                outcome["problems"].append(
+                    f"graph {report['graph']!r} handed over {report['invocations']} times")
+            if report["training"] and report["action"] != "rewritten":
+                outcome["passed"].append(report["reason"])
+        for graph_bytes, fetch, preserve, state, result in self.captured:
+            outcome["graphs"] += 1
+            if result.graph_def is None or result.report["action"] != "rewritten":
+                continue
+            outcome["rewritten"] = True
+            outcome["swapped"] += len(result.report["swapped"] or ())
+            outcome["recomputed"] += len(result.report["recomputed"] or ())
+            outcome["cache_ops"] |= any(n.op.startswith("SnCache")
+                                        for n in result.graph_def.node)
+            outcome["problems"] += self.check_graph(graph_bytes, fetch, preserve, state,
+                                                    result.graph_def)
+        self.captured.clear()
+        return outcome
+
+    def check_graph(self, graph_bytes: bytes, fetch: list, preserve: list, state,
+                    rewritten) -> list[str]:
+        """Structural checks of one rewritten graph."""
+        from tensorflow.core.framework import graph_pb2
+
+        from sntf import graph
+        from sntf.graph import names
+        from sntf.testing.workers import train_distributed
+
+        problems = []
+        original = graph_pb2.GraphDef.FromString(graph_bytes)
+        before = graph.build_index(original, fetch, preserve)
+        try:
+            after = graph.build_index(rewritten, fetch, preserve)
+        except graph.GraphError as e:
+            return [f"rewritten graph does not index: {e}"]
+        if after.has_cycles and not before.has_cycles:
+            problems.append("rewritten graph has a cycle")
+        new = {n.name: n for n in rewritten.node}
+        for text in list(fetch) + list(preserve):
+            name = graph.parse_input(text)[0]
+            old = next((n for n in original.node if n.name == name), None)
+            if old is None:
+                continue
+            kept = new.get(name)
+            if kept is None:
+                problems.append(f"fetch/preserve node {name!r} lost")
+            elif (kept.op, kept.device) != (old.op, old.device) or \
+                    dict(kept.attr) != dict(old.attr):
+                problems.append(f"fetch/preserve node {name!r} changed")
+        missing = [n.name for n in original.node if n.name not in new]
+        if missing:
+            problems.append(f"original nodes removed: {missing[:5]}")
+        unmarked = [n.name for n in rewritten.node
+                    if n.name not in before.index and not names.role_of(n)]
+        if unmarked:
+            problems.append(f"new nodes without the sntf marker: {unmarked[:5]}")
+        placement = train_distributed.check_placement(original, rewritten)
+        for key in ("served_mismatch", "input_crossing", "trigger_crossing",
+                    "unknown_source", "collectives_changed", "collectives_generated"):
+            if placement[key]:
+                problems.append(f"placement {key}: {placement[key][:3]}")
+        again = self._original_run_pass(rewritten.SerializeToString(), fetch, preserve,
+                                        state, None)
+        if again.graph_def is not None or again.report["action"] == "error":
+            problems.append(f"second pass not idempotent: {again.report['action']} "
+                            f"({again.report['reason']})")
+        return problems
+
+
+def _corrupt(graph_def) -> None:
+    """A deliberate wrong rewrite (for --inject-fault): the first reader of a
+    tensor sntf recomputed or swapped in gets its negation instead (a Neg
+    node in between), or, where no such edge has a dtype to go by, the last
+    AddV2 becomes a Sub."""
+    from sntf import graph
+    from sntf.graph import names
+
+    generated = {n.name: n for n in graph_def.node if names.role_of(n)}
+    for node in graph_def.node:
+        if node.name in generated:
+            continue
+        for slot, text in enumerate(node.input):
+            source = graph.parse_input(text)[0]
+            if text.startswith("^") or source not in generated \
+                    or "T" not in generated[source].attr:
+                continue
+            neg = graph_def.node.add()
+            neg.name, neg.op, neg.device = "fuzz_fault/neg", "Neg", node.device
+            neg.input.append(text)
+            neg.attr["T"].CopyFrom(generated[source].attr["T"])
+            node.input[slot] = neg.name
+            return
+    for node in reversed(graph_def.node):
+        if node.op == "AddV2":
+            node.op = "Sub"
+            return
+
+
+# ------------------------------------------------------------------ running
+
+
+class Tally:
+    """Counts over a run."""
+
+    def __init__(self):
+        self.cases = 0
+        self.counts = collections.Counter()
+        self.passed = collections.Counter()
+        self.failures: list = []
+        self.examples: dict = {}
+        self.seconds = 0.0
+
+    def add(self, spec: dict, outcome: dict, seconds: float) -> None:
+        self.cases += 1
+        self.seconds += seconds
+        c = self.counts
+        c["graphs_checked"] += outcome["graphs"]
+        c[f"policy {spec['policy']}"] += 1
+        if outcome["rewritten"] and spec["two_devices"]:
+            self.examples.setdefault("rewritten, two devices", spec)   # to replay
+        if outcome["rewritten"]:
+            c["rewritten"] += 1
+            c[f"rewritten, policy {spec['policy']}"] += 1
+            c["rewritten, unknown batch"] += spec["unknown_batch"]
+            c["rewritten, two devices"] += spec["two_devices"]
+            c["rewritten, with budget"] += spec["budget"] is not None
+            c["rewritten, update under tf.cond"] += bool(spec.get("guarded_update"))
+            c["rewritten, tf.cond layer"] += any(layer["op"] == "cond"
+                                                 for layer in spec["layers"])
+        c["with swaps"] += outcome["swapped"] > 0
+        c["with recomputations"] += outcome["recomputed"] > 0
+        c["with cache ops"] += outcome["cache_ops"]
+        c["tensors swapped"] += outcome["swapped"]
+        c["tensors recomputed"] += outcome["recomputed"]
+        for reason in outcome["passed"]:
+            self.passed[_reason_kind(reason)] += 1
+        if outcome["problems"]:
+            c["failures"] += 1
+            if len(self.failures) < 10:
+                self.failures.append({"spec": spec, "problems": outcome["problems"]})
+
+    def summary(self) -> dict:
+        return {"cases": self.cases, "failures": self.counts["failures"],
+                "rewritten": self.counts["rewritten"], "counts": dict(self.counts),
+                "passed_through": dict(self.passed), "seconds": self.seconds,
+                "failed_specs": self.failures, "examples": self.examples}
+
+
+def _reason_kind(reason: str) -> str:
+    """A training report's reason without the graph-specific part."""
+    tail = reason.split("); ", 1)[-1]
+    for word in ("would not fall", "nothing to recompute", "already rewritten",
+                 "control flow present",
+                 "0 tensor(s)", "plan crosses devices", "deferred to Grappler"):
+        if word in tail:
+            return word
+    return tail[:60]
+
+
+def run(cases: int, seed: int, policies=POLICIES, mode: str = "count",
+        inject_fault: bool = False, progress: bool = True,
+        timeout: float = 120.0) -> Tally:
+    """Runs `cases` hypothesis-generated cases in this process."""
+    import hypothesis
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    harness = Harness(inject_fault=inject_fault)
+    tally = Tally()
+    phases = (Phase.generate,) if mode == "count" else (Phase.generate, Phase.shrink)
+
+    @settings(max_examples=cases, deadline=None, database=None, phases=phases,
+              suppress_health_check=list(HealthCheck), print_blob=False)
+    @given(case_specs(policies))
+    def fuzz(spec):
+        start = time.perf_counter()
+        outcome = harness.run_case(spec, timeout=timeout)
+        tally.add(spec, outcome, time.perf_counter() - start)
+        if progress and tally.cases % 50 == 0:
+            print(f"[{tally.cases} cases, {tally.counts['rewritten']} rewritten, "
+                  f"{tally.counts['failures']} failures, {tally.seconds:.0f} s]",
+                  flush=True)
+        if outcome["problems"] and mode == "strict":
+            raise AssertionError("sntf fuzz failure\nSPEC " + json.dumps(spec) + "\n"
+                                 + "\n".join(outcome["problems"]))
+
+    hypothesis.seed(seed)(fuzz)()
+    return tally
+
+
+def table(summary: dict, wall: float) -> str:
+    """A markdown summary of a run."""
+    c = summary["counts"]
+    cases = max(summary["cases"], 1)
+    rows = [("cases", summary["cases"]), ("failures", summary["failures"]),
+            ("rewritten", f"{summary['rewritten']} ({summary['rewritten'] / cases:.0%})")]
+    rows += [(k, v) for k, v in sorted(c.items())
+             if k not in ("failures", "rewritten")]
+    rows += [(f"passed through: {k}", v) for k, v in
+             sorted(summary["passed_through"].items(), key=lambda kv: -kv[1])]
+    rows += [("seconds in cases", f"{summary['seconds']:.1f}"),
+             ("seconds per case", f"{summary['seconds'] / cases:.3f}"),
+             ("wall seconds", f"{wall:.1f}")]
+    return "\n".join(["| | |", "| --- | ---: |"] + [f"| {k} | {v} |" for k, v in rows])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    from absl import flags
+
+    fv = flags.FlagValues()
+    flags.DEFINE_integer("cases", 1000, "cases to run", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "hypothesis seed", flag_values=fv)
+    flags.DEFINE_enum("mode", "count", ["count", "strict"],
+                      "count failures, or stop and shrink at the first", flag_values=fv)
+    flags.DEFINE_string("policies", ",".join(POLICIES), "policies cases draw from",
+                        flag_values=fv)
+    flags.DEFINE_string("replay", None, "one spec (JSON) to run", flag_values=fv)
+    flags.DEFINE_bool("inject_fault", False, "corrupt every rewritten graph",
+                      flag_values=fv)
+    flags.DEFINE_bool("quiet", False, "no progress lines", flag_values=fv)
+    flags.DEFINE_float("timeout", 120.0, "seconds before a case counts as hung (exit 3)",
+                       flag_values=fv)
+    fv(list(sys.argv if argv is None else argv))
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    start = time.perf_counter()
+    if fv.replay:
+        harness = Harness(inject_fault=fv.inject_fault)
+        outcome = harness.run_case(json.loads(fv.replay), timeout=fv.timeout)
+        print("RESULT " + json.dumps(outcome, default=str))
+        return 1 if outcome["problems"] else 0
+    policies = tuple(p for p in fv.policies.split(",") if p)
+    try:
+        tally = run(fv.cases, fv.seed, policies, fv.mode, fv.inject_fault,
+                    progress=not fv.quiet, timeout=fv.timeout)
+        failed = None
+    except Exception as e:  # noqa: BLE001 - strict mode: hypothesis re-raises
+        tally, failed = None, e
+    return _report(tally, failed, fv, policies, time.perf_counter() - start)
+
+
+def _report(tally, failed, fv, policies, wall: float) -> int:
+    """Prints the run's table and RESULT line; returns the exit status."""
+    if failed is not None:
+        print(f"FAILED: {failed}", flush=True)
+        print("RESULT " + json.dumps({"failures": 1, "error": str(failed)[-4000:]}))
+        return 1
+    summary = tally.summary()
+    print(f"\nsntf fuzz: {fv.cases} cases, seed {fv.seed}, policies "
+          f"{','.join(policies)}, mode {fv.mode}\n")
+    print(table(summary, wall))
+    for entry in summary["failed_specs"]:
+        print("\nFAILED SPEC " + json.dumps(entry["spec"]))
+        for problem in entry["problems"]:
+            # A traceback's last line says what went wrong.
+            print("  " + problem.strip().splitlines()[-1])
+    summary["wall_seconds"] = wall
+    print("RESULT " + json.dumps(summary), flush=True)
+    return 1 if summary["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Random training steps for fuzzing the graph pass: specs and their models.
+
+A spec is a plain JSON-able dict (hypothesis draws it, a failure prints it,
+--replay runs it again); `build` turns it into variables and a tf.function
+training step. See sntf/testing/fuzz.py for the checks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+POLICIES = ("recompute", "swap", "swap+recompute")
+ACTIVATIONS = ("relu", "tanh", "sigmoid", "elu", "softplus")
+DENSE_OPS = ("linear", "linear", "act", "add", "mul", "concat", "split", "norm",
+             "norm", "dropout", "cond")
+CONV_OPS = DENSE_OPS + ("pool",)
+MAX_WIDTH = 48            # concatenations stop growing the feature axis here
+DEVICES = ("/device:CPU:0", "/device:CPU:1")
+LEARNING_RATE = 0.05
+
+
+def case_specs(policies=POLICIES):
+    """A hypothesis strategy of case specs: plain JSON-able dicts."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def spec(draw) -> dict:
+        kind = draw(st.sampled_from(("dense", "conv")))
+        two_devices = draw(st.booleans())
+        dims = [draw(st.integers(1, 12))]
+        layers = _draw_layers(draw, st, kind, two_devices, dims)
+        budget = draw(st.one_of(
+            st.none(), st.integers(1, 1 << 16), st.integers(1 << 16, 1 << 26),
+            st.sampled_from((0.5, 1.0, "1KiB", "64MiB", "2TB"))))
+        return {
+            "kind": kind,
+            "hw": draw(st.integers(2, 12)) if kind == "conv" else None,
+            "dims": dims,
+            "layers": layers,
+            # A second loss term on an intermediate tensor (two outputs).
+            "extra_loss": draw(st.one_of(st.none(), st.integers(0, len(dims) - 1))),
+            # Batches large enough for activations, not weights, to set the
+            # peak now and then (the planner keeps only plans that lower it).
+            "batch": draw(st.integers(1, 12 if kind == "conv" else 48)),
+            "unknown_batch": draw(st.booleans()),
+            "two_devices": two_devices,
+            # The update under a tf.cond on finite gradients, as Keras'
+            # loss-scale optimizer (mixed_float16) applies it.
+            "guarded_update": draw(st.booleans()),
+            "policy": draw(st.sampled_from(tuple(policies))),
+            "recompute_mode": draw(st.sampled_from(("speed", "memory", "auto"))),
+            "budget": budget,
+            "swap_min_bytes": draw(st.sampled_from((0, 0, 0, 256, 4096))),
+            "batch_size_option": draw(st.booleans()),
+            "seed": draw(st.integers(0, 2**16)),
+        }
+
+    return spec()
+
+
+def _draw_layers(draw, st, kind: str, two_devices: bool, dims: list) -> list:
+    """The layers of a case (dims grows with each layer's outputs), ending
+    in a head on the last tensor: every case has a weight and its gradient."""
+    layers = []
+    device = draw(st.integers(0, 1)) if two_devices else 0
+    for _ in range(draw(st.integers(3, 12))):
+        op = draw(st.sampled_from(CONV_OPS if kind == "conv" else DENSE_OPS))
+        # Any earlier tensor: skip connections and long-lived activations.
+        i = draw(st.integers(0, len(dims) - 1))
+        # Two devices: runs of layers on one device (towers, replicas), now
+        # and then switching (a cross-device edge).
+        if two_devices and draw(st.integers(0, 3)) == 0:
+            device = 1 - device
+        layer: dict[str, Any] = {"op": op, "inputs": [i], "device": device}
+        _draw_layer(draw, st, kind, layer, dims)
+        layers.append(layer)
+    head = {"op": "linear", "inputs": [len(dims) - 1],
+            "units": draw(st.integers(1, 8)), "act": "none", "device": device}
+    if kind == "conv":
+        head["kernel"] = 1
+    layers.append(head)
+    dims.append(head["units"])
+    return layers
+
+
+def _draw_layer(draw, st, kind: str, layer: dict, dims: list) -> None:
+    """Fills one layer's op-specific fields and appends its output dims."""
+    i = layer["inputs"][0]
+    op = layer["op"]
+    if op == "split" and dims[i] < 2:
+        op = layer["op"] = "act"
+    if op == "concat":
+        j = draw(st.integers(0, len(dims) - 1))
+        if dims[i] + dims[j] > MAX_WIDTH:
+            op = layer["op"] = "act"
+        else:
+            layer["inputs"].append(j)
+            dims.append(dims[i] + dims[j])
+    if op == "linear":
+        layer["units"] = draw(st.integers(1, 16))
+        layer["act"] = draw(st.sampled_from(ACTIVATIONS + ("none",)))
+        if kind == "conv":
+            layer["kernel"] = draw(st.sampled_from((1, 3)))
+        dims.append(layer["units"])
+    elif op in ("add", "mul"):
+        same = [j for j, d in enumerate(dims) if d == dims[i]]
+        layer["inputs"].append(draw(st.sampled_from(same)))
+        dims.append(dims[i])
+    elif op == "split":
+        k = draw(st.integers(1, dims[i] - 1))
+        layer["sizes"] = [k, dims[i] - k]
+        dims += layer["sizes"]
+    elif op in ("act", "cond"):
+        layer["act"] = draw(st.sampled_from(ACTIVATIONS))
+        dims.append(dims[i])
+    elif op == "dropout":
+        layer["rate"] = draw(st.sampled_from((0.1, 0.5)))
+        dims.append(dims[i])
+    elif op == "pool":
+        layer["pool"] = draw(st.sampled_from(("max", "avg")))
+        dims.append(dims[i])
+    elif op == "norm":
+        dims.append(dims[i])
+
+
+def build(spec: dict, tf):
+    """The case's variables and its tf.function training step.
+
+    Returns:
+      (step, variables): step(x) runs one SGD step and returns
+      [loss, output, *gradients].
+    """
+    conv = spec["kind"] == "conv"
+    variables, params = _parameters(spec, tf)
+    forward = _forward(spec, tf, params)
+    feature = [spec["hw"], spec["hw"], spec["dims"][0]] if conv else [spec["dims"][0]]
+    batch = None if spec["unknown_batch"] else spec["batch"]
+
+    @tf.function(input_signature=[tf.TensorSpec([batch] + feature, tf.float32)])
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss, out = forward(x)
+        grads = tape.gradient(loss, variables,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+        def apply():
+            for v, g in zip(variables, grads):
+                v.assign_sub(LEARNING_RATE * g)
+            return tf.constant(True)
+
+        if spec.get("guarded_update"):
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+            tf.cond(finite, apply, lambda: tf.constant(False))
+        else:
+            apply()
+        return [loss, out] + list(grads)
+
+    return step, variables
+
+
+def _parameters(spec: dict, tf) -> tuple[list, list]:
+    """(every variable, each layer's dict of its variables)."""
+    conv = spec["kind"] == "conv"
+    dims, layers, seed = spec["dims"], spec["layers"], spec["seed"]
+    variables, params = [], []
+
+    def var(shape, k, device, scale=1.0, init=None):
+        with tf.device(DEVICES[device]):
+            value = (tf.fill(shape, init) if init is not None else
+                     tf.random.stateless_normal(shape, seed=[seed, k]) * scale)
+            v = tf.Variable(value)
+        variables.append(v)
+        return v
+
+    # Node dims as each layer sees them (split adds two nodes).
+    node_dims, k = [dims[0]], 0
+    for layer in layers:
+        d_in = node_dims[layer["inputs"][0]]
+        p = {}
+        if layer["op"] == "linear":
+            kernel = layer.get("kernel", 1)
+            shape = ([kernel, kernel, d_in, layer["units"]] if conv
+                     else [d_in, layer["units"]])
+            p["w"] = var(shape, k, layer["device"], 1.0 / math.sqrt(d_in * kernel ** 2))
+            p["b"] = var([layer["units"]], k + 1, layer["device"], 0.1)
+        elif layer["op"] == "norm":
+            p["gamma"] = var([d_in], k, layer["device"], init=1.0)
+            p["beta"] = var([d_in], k + 1, layer["device"], init=0.0)
+        k += 2
+        params.append(p)
+        if layer["op"] == "split":
+            node_dims += layer["sizes"]
+        elif layer["op"] == "concat":
+            node_dims.append(d_in + node_dims[layer["inputs"][1]])
+        elif layer["op"] == "linear":
+            node_dims.append(layer["units"])
+        else:
+            node_dims.append(d_in)
+    if node_dims != dims:
+        raise ValueError(f"spec dims {dims} disagree with its layers {node_dims}")
+    return variables, params
+
+
+def _activation(tf, name: str, x):
+    return {"relu": tf.nn.relu, "tanh": tf.tanh, "sigmoid": tf.sigmoid,
+            "elu": tf.nn.elu, "softplus": tf.nn.softplus,
+            "none": tf.identity}[name](x)
+
+
+def _layer(tf, spec: dict, n: int, layer: dict, p: dict, nodes: list) -> list:
+    """The output tensors of one layer."""
+    conv = spec["kind"] == "conv"
+    a = nodes[layer["inputs"][0]]
+    op = layer["op"]
+    if op == "linear":
+        y = (tf.nn.conv2d(a, p["w"], 1, "SAME") if conv else a @ p["w"])
+        return [_activation(tf, layer["act"], tf.nn.bias_add(y, p["b"]))]
+    if op == "act":
+        return [_activation(tf, layer["act"], a)]
+    if op == "cond":
+        return [tf.cond(tf.reduce_mean(a) > 0,
+                        lambda: _activation(tf, layer["act"], a), lambda: a * 0.5)]
+    if op == "add":
+        return [a + nodes[layer["inputs"][1]]]
+    if op == "mul":
+        return [a * nodes[layer["inputs"][1]]]
+    if op == "concat":
+        return [tf.concat([a, nodes[layer["inputs"][1]]], axis=-1)]
+    if op == "split":
+        return list(tf.split(a, layer["sizes"], axis=-1))
+    if op == "norm":
+        mean, variance = tf.nn.moments(a, [0, 1, 2] if conv else [0])
+        return [(a - mean) * tf.math.rsqrt(variance + 1e-3) * p["gamma"] + p["beta"]]
+    if op == "dropout":
+        keep = tf.random.stateless_uniform(tf.shape(a), seed=[spec["seed"], n])
+        return [tf.where(keep >= layer["rate"], a / (1 - layer["rate"]),
+                         tf.zeros_like(a))]
+    if op == "pool":
+        pool = tf.nn.max_pool2d if layer["pool"] == "max" else tf.nn.avg_pool2d
+        return [pool(a, 3, 1, "SAME")]
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _forward(spec: dict, tf, params: list):
+    """The case's forward pass: x -> (loss, output)."""
+    def forward(x):
+        nodes = [x]
+        for n, (layer, p) in enumerate(zip(spec["layers"], params)):
+            with tf.device(DEVICES[layer["device"]]):
+                nodes += _layer(tf, spec, n, layer, p, nodes)
+        loss = tf.reduce_mean(tf.square(nodes[-1]))
+        if spec["extra_loss"] is not None:
+            loss += 0.5 * tf.reduce_mean(tf.square(nodes[spec["extra_loss"]]))
+        return loss, nodes[-1]
+
+    return forward
+
+
+def inputs(spec: dict):
+    """The two steps' inputs (a different batch size in the second step when
+    the batch dimension is unknown)."""
+    import numpy as np
+
+    rng = np.random.default_rng(spec["seed"])
+    feature = ((spec["hw"], spec["hw"], spec["dims"][0]) if spec["kind"] == "conv"
+               else (spec["dims"][0],))
+    second = spec["batch"] + 1 if spec["unknown_batch"] else spec["batch"]
+    return [rng.standard_normal((b,) + feature).astype(np.float32)
+            for b in (spec["batch"], second)]

@@ -1,0 +1,67 @@
+"""Replays the corpus of captured graphs (tests/corpus) through the pass.
+
+Every entry is a graph Grappler handed to the pass inside real training
+(seven model families, fuzzer cases at three seeds), with what the pass read
+around it; expected.json holds the digests of the rewritten graph, the plan
+(its KEEP decisions aside) and the report under each configuration. A
+change that means to alter plans re-records it with
+`python benchmarks/corpus.py --expect`, and the diff shows which moved.
+"""
+
+import json
+import os
+
+import pytest
+
+from conftest import REPO
+from sntf.testing import corpus
+
+FOLDER = os.path.join(REPO, "tests", "corpus", "graphs")
+with open(os.path.join(REPO, "tests", "corpus", "expected.json")) as _f:
+    EXPECTED = json.load(_f)
+ENTRIES = sorted(name[:-len(".json.gz")] for name in os.listdir(FOLDER))
+
+
+def test_every_entry_has_expectations_and_some_are_rewritten():
+    assert sorted(EXPECTED) == ENTRIES
+    actions = [o["action"] for outcomes in EXPECTED.values() for o in outcomes.values()]
+    assert len(ENTRIES) >= 100 and actions.count("rewritten") >= 100
+
+
+def _replay(name: str) -> list:
+    entry = corpus.load(os.path.join(FOLDER, name + ".json.gz"))
+    expected = EXPECTED[name]
+    assert sorted(expected) == sorted(corpus.config_key(c) for c in entry.configs)
+    return [(corpus.config_key(c), expected[corpus.config_key(c)], corpus.replay(entry, c))
+            for c in entry.configs]
+
+
+@pytest.mark.parametrize("seed", ["s1", "s2", "s3"])
+def test_fuzz_entries_replay_to_the_recorded_rewrites(seed):
+    names = [n for n in ENTRIES if n.startswith(f"fuzz-{seed}-")]
+    assert names
+    mismatches = [(name, key, want, got) for name in names
+                  for key, want, got in _replay(name) if got != want]
+    assert not mismatches, mismatches[:3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in ENTRIES if n.startswith("family-")])
+def test_family_entries_replay_to_the_recorded_rewrites(name):
+    mismatches = [(key, want, got) for key, want, got in _replay(name) if got != want]
+    assert not mismatches, mismatches[:3]
+
+
+def test_a_changed_pass_is_caught(monkeypatch):
+    """The replay compares what the pass hands back: a rewrite that renames
+    one generated node changes the digest."""
+    from sntf.graph import names
+
+    name = next(n for n in ENTRIES if n.startswith("fuzz-")
+                and any(o["action"] == "rewritten" and o["recomputed"]
+                        for o in EXPECTED[n].values()))
+    monkeypatch.setattr(names, "recompute_name",
+                        lambda node, index=0: f"sntf/recompute/{index}/x/{node}")
+    outcomes = _replay(name)
+    assert any(got != want for _, want, got in outcomes
+               if want["action"] == "rewritten" and want["recomputed"])
