@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 
 from sntf import analysis, config, graph, planner, report as reports, rewrite
 from sntf.analysis import Analyzed
+from sntf.analysis.breakdown import breakdown
 from sntf.graph.identity import graph_key
 from sntf.planner import budget as budget_planning
 from sntf.planner import heuristics
@@ -251,6 +252,9 @@ def _record_plan(outcome: planner.Outcome, base: Optional[Analyzed], index,
     report["swapped"] = plan.tensors(planner.SWAP)
     report["recomputed"] = plan.tensors(planner.RECOMPUTE)
     report["plan"] = plan.to_dict()
+    final = outcome.planned or base
+    if final is not None:
+        report["peak_breakdown"] = breakdown(final.index, final.facts)
     return plan
 
 

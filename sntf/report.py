@@ -61,6 +61,9 @@ def new_report(name: str = "", nodes: int = 0) -> dict:
         # With a budget: device bytes in use outside this graph when it was
         # planned (the allocator's bytes in use less the graph's variables).
         "outside_bytes": None,
+        # What holds the planned peak up: the bytes live there by kind, with
+        # the largest buffers named (sntf.analysis.breakdown).
+        "peak_breakdown": None,
     }
 
 

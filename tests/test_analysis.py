@@ -393,3 +393,41 @@ def test_predicted_schedule_matches_the_executor(fresh_python):
                                 "--mode", "speed", "--batch", "8"]).result()
     assert result["ops"] > 1000
     assert result["in_order_no_reads"] >= 0.95, result
+
+
+def test_the_peak_breakdown_names_what_is_live_there():
+    from sntf.analysis import breakdown
+
+    g = chain()
+    a = analyze(g, CHAIN_PROPS)
+    found = breakdown.breakdown(G.build_index(g), a)
+    # At b (step 2): its input a (1 KiB) and its output b (2 KiB); x is an
+    # argument, which the step does not allocate.
+    assert found["step"] == 2 and found["node"] == "b"
+    assert found["device_bytes"] == 3 * KIB and found["allocator_overhead"] == 0
+    assert found["by_kind"] == {breakdown.OTHER: 3 * KIB}
+    assert [(t["tensor"], t["bytes"]) for t in found["largest"]] == [
+        ("b:0", 2 * KIB), ("a:0", 1 * KIB)]
+    assert breakdown.describe(found).startswith(
+        "peak 0.0 MiB at b: other temporaries 0.0 MiB; largest: b:0")
+
+
+def test_the_breakdown_of_a_training_step_by_kind():
+    from sntf.analysis import breakdown
+
+    g = graphs.train_mlp()
+    idx = G.build_index(g)
+    a = analyze(g, _training_props())
+    # Where ReluGrad runs: the activation it reads is kept from the forward
+    # pass; the weight and the five scalar constants persist.
+    step = a.schedule.index(idx.node(graphs.RELU_GRAD))
+    found = breakdown.breakdown(idx, a, step)
+    assert found["by_kind"][breakdown.KEPT] >= 1 * KIB
+    assert found["by_kind"][breakdown.WEIGHTS] == 1 * KIB + 5 * 256
+    # Every live byte has a kind; what the allocator holds beyond them is
+    # its overhead.
+    assert (sum(found["by_kind"].values()) + found["allocator_overhead"]
+            == found["device_bytes"] == a.timeline.device_bytes[step])
+    kinds = {t["tensor"]: t["kind"] for t in found["largest"]}
+    assert kinds[f"{graphs.FWD_MATMUL}:0"] == breakdown.KEPT
+    assert kinds[f"{graphs.W_HANDLE} (variable)"] == breakdown.WEIGHTS

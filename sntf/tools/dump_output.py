@@ -255,6 +255,13 @@ STAGE_ORDER = ("parse", "index", "detect", "shapes", "analysis", "plan_recompute
                "plan_swap", "plan_auto", "rewrite")
 
 
+def breakdown_line(found: dict) -> str:
+    """The planned peak's breakdown on one line (sntf.analysis.breakdown)."""
+    from sntf.analysis.breakdown import describe
+
+    return "planned " + describe(found)
+
+
 def stage_line(stage_seconds: dict) -> str:
     """The wall time of each stage of the pass, in the order they ran."""
     known = [s for s in STAGE_ORDER if s in stage_seconds]
@@ -307,6 +314,8 @@ def summary_lines(run: dict, graphs: list) -> list:
             f"  pass {h['pass_seconds'] or 0.0:.3f} s over {h['invocations']} "
             f"invocation(s); swapped {swapped}, recomputed {recomputed}",
             "  stages: " + stage_line(report.get("stage_seconds") or {}),
+            "  " + (breakdown_line(report["peak_breakdown"])
+                    if report.get("peak_breakdown") else "peak breakdown: n/a"),
             f"  files: {dumped['folder']}/ " + " ".join(dumped["written"]),
         ]
         lines += [f"  note: {n}" for n in dumped["notes"]]
