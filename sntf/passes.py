@@ -45,6 +45,8 @@ class Environment:
         fractions resolve against it).
       in_use: device name -> its allocator's bytes in use now, or None
         where the allocator keeps no statistics.
+      xla_auto_jit: whether XLA auto-clustering may compile the graph after
+        the pass (then a rewrite would change how XLA clusters and rounds).
     """
 
     threads: int = 1
@@ -52,6 +54,7 @@ class Environment:
     runtime_batch: Optional[int] = None
     device_memory: Callable[[bool], int] = lambda gpu: 0
     in_use: Optional[Callable[[str], Optional[int]]] = None
+    xla_auto_jit: bool = False
 
 
 @dataclasses.dataclass
@@ -135,7 +138,14 @@ def _finish(result: PassResult, start: float) -> PassResult:
     return result
 
 
-def _skip_reason(graph_def, index, report: dict) -> tuple[Optional[str], str]:
+XLA_AUTO_JIT = ("XLA auto-clustering is on (TF_XLA_FLAGS --tf_xla_auto_jit or "
+                "tf.config.optimizer.set_jit): it clusters the graph after sntf's "
+                "pass, and a rewritten graph would cluster and round differently, "
+                "so sntf leaves it alone; turn auto-clustering off to use sntf")
+
+
+def _skip_reason(graph_def, index, report: dict, env: Environment
+                 ) -> tuple[Optional[str], str]:
     """(why the pass does not act on this graph at all, or None; why it is a
     training graph)."""
     if index.sntf_nodes:
@@ -152,12 +162,15 @@ def _skip_reason(graph_def, index, report: dict) -> tuple[Optional[str], str]:
         report["action"] = SKIPPED
         return ("XLA-compiled graph: custom ops cannot run inside "
                 "an XLA cluster, so sntf leaves it alone"), info.reason
+    if env.xla_auto_jit:
+        report["action"] = SKIPPED
+        return XLA_AUTO_JIT, info.reason
     return None, info.reason
 
 
 def _run(graph_def, index, state: config.State, report: dict,
          properties: Optional[PropertiesFn], env: Environment, defer: bool) -> PassResult:
-    skip, why_training = _skip_reason(graph_def, index, report)
+    skip, why_training = _skip_reason(graph_def, index, report, env)
     if skip is not None:
         report["reason"] = skip
         return PassResult(None, report)

@@ -1,5 +1,7 @@
-"""Keras' jit_compile="auto" must not bypass sntf (docs/tensorflow.md, "Keras"), tested on
-CPU by making Keras believe an accelerator is present (fresh processes)."""
+"""XLA and sntf: Keras' jit_compile="auto" must not bypass sntf
+(docs/tensorflow.md, "Keras"), tested on CPU by making Keras believe an
+accelerator is present; and under XLA auto-clustering the pass leaves
+graphs alone, so training stays identical (fresh processes)."""
 
 import pytest
 
@@ -64,3 +66,59 @@ def test_explicit_jit_is_honoured_and_not_rewritten(fresh_python):
     # The XLA-compiled step is one cluster: Grappler's plugins never see its
     # training graph, so no report of one exists at all.
     assert r["reports"] == [], r["reports"]
+
+
+@pytest.mark.parametrize("flags, on", [
+    ("", False), ("--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit", True),
+    ("--tf_xla_auto_jit=1", True), ("--tf_xla_auto_jit=0", False),
+    ("--tf_xla_auto_jit=-1", False), ("--tf_xla_cpu_global_jit", False)])
+def test_auto_clustering_is_read_from_the_xla_flags(flags, on):
+    from sntf.runtime import xla
+
+    assert xla.auto_clustering_on({"TF_XLA_FLAGS": flags}) is on
+
+
+def test_the_pass_leaves_a_graph_alone_under_auto_clustering():
+    import graphs
+    from sntf import config, passes
+
+    state = config.State(enabled=True, policy="swap+recompute")
+    data = graphs.train_mlp().SerializeToString()
+    env = passes.Environment(xla_auto_jit=True)
+    result = passes.run_pass(data, ["identity_retval"], [], state, env=env)
+    assert result.graph_def is None and result.report["training"]
+    assert result.report["action"] == "skipped"
+    assert result.report["reason"] == passes.XLA_AUTO_JIT
+
+
+AUTO_JIT = """
+import json, os, sys
+os.environ["TF_XLA_FLAGS"] = "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit"
+import numpy as np
+import tensorflow as tf
+import keras
+if sys.argv[1] == "sntf":
+    import sntf
+    sntf.enable()
+from sntf import models
+tf.config.experimental.enable_op_determinism()
+keras.utils.set_random_seed(5)
+model = models.build("vgg", 1, jit_compile=False)
+x, y = models.make_data("vgg", 24)
+history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+reports = []
+if sys.argv[1] == "sntf":
+    reports = [[r["action"], r["reason"]] for r in sntf.reports() if r["training"]]
+print("RESULT " + json.dumps({"loss": history.history["loss"],
+      "weights": [np.asarray(w).tobytes().hex() for w in model.get_weights()],
+      "reports": reports}))
+"""
+
+
+@pytest.mark.slow
+def test_auto_clustered_training_is_identical_and_left_alone(fresh_python):
+    base = fresh_python(args=["-c", AUTO_JIT, "none"]).result()
+    run = fresh_python(args=["-c", AUTO_JIT, "sntf"]).result()
+    assert run["loss"] == base["loss"] and run["weights"] == base["weights"]
+    assert run["reports"] and all(action == "skipped" and "auto-clustering" in reason
+                                  for action, reason in run["reports"]), run["reports"]

@@ -103,9 +103,12 @@ def current():
     """The Environment the pass runs in, in this process now."""
     from sntf.passes import Environment
 
+    from sntf.runtime import xla
+
     return Environment(threads=os.cpu_count() or 1, onednn=onednn_enabled(),
                        runtime_batch=runtime_batch(),
-                       device_memory=device_memory_bytes, in_use=device_in_use)
+                       device_memory=device_memory_bytes, in_use=device_in_use,
+                       xla_auto_jit=xla.auto_clustering_on())
 
 
 def apply_settings(settings: dict) -> None:
