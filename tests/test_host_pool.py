@@ -1,7 +1,8 @@
 """Tests for the BFC host memory pool (tf_ops/host_pool*.cc) through its C API.
 
-The pool needs no TensorFlow headers, so when the packaged op library is not
-available the fixture compiles the pool sources into a throwaway .so.
+The pool's C API is exported by the shipped op library (sntf/_sntf_ops*.so);
+SNTF_POOL_LIB may name another build of it. A library that does not load is a
+test failure, never a reason to test something else.
 """
 
 import bisect
@@ -17,7 +18,6 @@ import threading
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-POOL_SOURCES = [ROOT / "tf_ops" / "host_pool.cc", ROOT / "tf_ops" / "host_pool_capi.cc"]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -67,25 +67,13 @@ def round_up(n):
 
 
 def _packaged_library_path():
-    try:
-        # `import sntf` alone does not import the _native submodule.
-        from sntf import _native  # may not be built yet
+    """The shipped op library, loaded by TensorFlow first: it only sees the
+    ops that register during its own load, not in an earlier plain dlopen."""
+    # `import sntf` alone does not import the _native submodule.
+    from sntf import _native
 
-        # TensorFlow must load the library first: it only sees the ops that
-        # register *during* its own load, not in an earlier plain dlopen.
-        _native.load_ops()
-        return _native.ops_library_path()
-    except Exception:
-        return None
-
-
-def _compile_pool(out_dir):
-    so = out_dir / "libsntf_host_pool.so"
-    cmd = ["g++", "-std=c++17", "-O2", "-fPIC", "-shared", "-w", "-o", str(so)]
-    cmd += [str(s) for s in POOL_SOURCES]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, f"compiling the host pool failed:\n{' '.join(cmd)}\n{res.stderr}"
-    return str(so)
+    _native.load_ops()
+    return _native.ops_library_path()
 
 
 def _load(path):
@@ -98,11 +86,8 @@ def _load(path):
 
 
 @pytest.fixture(scope="module")
-def lib_path(tmp_path_factory):
-    path = os.environ.get("SNTF_POOL_LIB") or _packaged_library_path()
-    if path is None:
-        path = _compile_pool(tmp_path_factory.mktemp("host_pool"))
-    return path
+def lib_path():
+    return os.environ.get("SNTF_POOL_LIB") or _packaged_library_path()
 
 
 @pytest.fixture(scope="module")
@@ -848,8 +833,11 @@ def test_pin_hooks_pin_every_region_and_unpin_before_unmapping(make_pool, lib):
 
 
 def test_a_refused_pin_leaves_the_region_pageable(make_pool, lib):
+    # A failure inside a ctypes callback cannot fail the test (ctypes prints
+    # and swallows exceptions there): record the calls and assert after.
+    unpinned = []
     refuse = PIN_FN(lambda base, size: 1)          # e.g. cudaErrorMemoryAllocation
-    never = UNPIN_FN(lambda base: pytest.fail("unpinned a region never pinned"))
+    never = UNPIN_FN(lambda base: unpinned.append(base))
     pool = make_pool(64 * MiB)
     lib.sntf_pool_set_pin_hooks(pool.h, ctypes.cast(refuse, ctypes.c_void_p),
                                 ctypes.cast(never, ctypes.c_void_p))
@@ -861,3 +849,4 @@ def test_a_refused_pin_leaves_the_region_pageable(make_pool, lib):
     assert stats["pin_failures"] == 1 and stats["pinned_regions"] == 0
     pool.free(p)
     assert pool.trim() > 0
+    assert unpinned == [], "unpinned a region that was never pinned"

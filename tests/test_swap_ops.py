@@ -2,10 +2,9 @@
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
-tf = pytest.importorskip("tensorflow")
-
-from sntf import _native, ops  # noqa: E402
+from sntf import _native, ops
 
 
 def _bits(t):
