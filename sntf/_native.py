@@ -16,8 +16,11 @@ from typing import Any, Optional
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
-_ops_module: Any = None
-_ops_cdll: Optional[ctypes.CDLL] = None
+# The loaded libraries, kept in a mutable object rather than rebound globals:
+# AutoGraph converts functions called from a tf.function (ops.swap_out, then
+# load_ops) and runs the converted code against a copy of the module's
+# globals, where rebinding a global would be lost.
+_loaded: dict = {"module": None, "cdll": None}
 
 POOL_STAT_NAMES = ("bytes_in_use", "peak_bytes_in_use", "bytes_reserved",
                    "peak_bytes_reserved", "limit_bytes", "num_allocs",
@@ -82,9 +85,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def load_ops() -> Any:
     """Loads the op library once; returns the tf.load_op_library module."""
-    global _ops_module, _ops_cdll
     with _lock:
-        if _ops_module is None:
+        if _loaded["module"] is None:
             import tensorflow as tf
 
             path = ops_library_path()
@@ -96,18 +98,17 @@ def load_ops() -> Any:
                     f"sntf: {path} was opened before TensorFlow loaded it as an "
                     "op library, so its ops have no Python wrappers; call "
                     "sntf._native.load_ops() before opening it with ctypes")
-            _ops_module = module
             lib = ctypes.CDLL(path)
             _declare(lib)
-            _ops_cdll = lib
-    return _ops_module
+            _loaded["cdll"] = lib
+            _loaded["module"] = module
+    return _loaded["module"]
 
 
 def ops_cdll() -> ctypes.CDLL:
     """The op library opened with ctypes (loaded through load_ops first)."""
     load_ops()
-    assert _ops_cdll is not None
-    return _ops_cdll
+    return _loaded["cdll"]
 
 
 def pool_stats(pool: Optional[int] = None) -> dict:
