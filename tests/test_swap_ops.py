@@ -169,8 +169,11 @@ def test_device_peak_excludes_parked_bytes(fresh_python):
         print("RESULT " + json.dumps({"value": value, "peak": info["peak"],
               "pool": _native.pool_stats(), "swap": _native.swap_stats()}))
     """
-    plain = fresh_python(args=["-c", _dedent(code), "plain"]).result()
-    swapped = fresh_python(args=["-c", _dedent(code), "swap"]).result()
+    # TensorFlow's default CPU allocator keeps statistics only with oneDNN on,
+    # which depends on the CPU; its BFC allocator always keeps them.
+    bfc = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
+    plain = fresh_python(args=["-c", _dedent(code), "plain"], env=bfc).result()
+    swapped = fresh_python(args=["-c", _dedent(code), "swap"], env=bfc).result()
     mib = 2**20
     assert plain["value"] == swapped["value"] == 3.0 * 16 * mib
     assert plain["peak"] >= 128 * mib, plain
@@ -297,7 +300,7 @@ def test_tensor_cache_headroom_caps_the_cached_bytes(fresh_python):
             ops.cache_in(t, tf.float32, [MIB])
         steps.append(stats())
         print("RESULT " + json.dumps(steps))
-    """).result()
+    """, env={"TF_CPU_ALLOCATOR_USE_BFC": "true"}).result()
     first, second, zero, done = r
     mib4 = 4 << 20
     assert (first["cached_device_bytes"], first["bytes_to_host"]) == (mib4, 0)
