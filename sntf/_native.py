@@ -26,7 +26,8 @@ POOL_STAT_NAMES = ("bytes_in_use", "peak_bytes_in_use", "bytes_reserved",
                    "peak_bytes_reserved", "limit_bytes", "num_allocs",
                    "num_frees", "active_allocs", "num_failed_allocs",
                    "largest_free_block", "free_bytes", "num_regions",
-                   "pinned_regions", "pinned_bytes", "pin_failures")
+                   "pinned_regions", "pinned_bytes", "pin_failures",
+                   "pin_limit_bytes", "pin_over_limit")
 SWAP_STAT_NAMES = ("swap_out_ops", "swap_in_ops", "bytes_to_host",
                    "bytes_to_device", "failed_ops", "cache_hits", "cache_misses",
                    "cache_evictions", "cache_no_stats", "pool_fallbacks")
@@ -72,6 +73,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sntf_pool_stats": (ctypes.c_int, [vp, ptr64, ctypes.c_int]),
         "sntf_pool_fragmentation": (ctypes.c_double, [vp]),
         "sntf_pool_set_pin_hooks": (None, [vp, PIN_FN, UNPIN_FN]),
+        "sntf_pool_set_pin_limit": (None, [vp, u64]),
+        "sntf_pool_block_pinned": (ctypes.c_int, [vp, vp]),
         "sntf_gpu_pinning": (ctypes.c_int, []),
         "sntf_swap_stats": (ctypes.c_int, [ptr64, ctypes.c_int]),
         "sntf_cache_clear": (ctypes.c_int64, []),
@@ -147,3 +150,17 @@ def set_host_pool_limit(limit_bytes: int) -> None:
     """Sets the byte limit of the global host pool."""
     lib = ops_cdll()
     lib.sntf_pool_set_limit(lib.sntf_pool_global(), int(limit_bytes))
+
+
+def set_host_pin_limit(limit_bytes: int) -> None:
+    """Caps the bytes of the global host pool that may be page-locked.
+
+    Regions mapped beyond the cap stay pageable (TensorFlow then stages their
+    copies); lowering it unpins nothing already pinned.
+
+    Args:
+      limit_bytes: the cap in bytes (the default is min(64 GiB, a quarter of
+        physical memory), or SNTF_HOST_PIN_LIMIT).
+    """
+    lib = ops_cdll()
+    lib.sntf_pool_set_pin_limit(lib.sntf_pool_global(), int(limit_bytes))

@@ -14,6 +14,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -41,6 +42,8 @@ STAT_NAMES = (
     "pinned_regions",
     "pinned_bytes",
     "pin_failures",
+    "pin_limit_bytes",
+    "pin_over_limit",
 )
 
 _vp, _u64 = ctypes.c_void_p, ctypes.c_uint64
@@ -57,6 +60,8 @@ SIGNATURES = {
     "sntf_pool_stats": ([_vp, ctypes.POINTER(_u64), ctypes.c_int], ctypes.c_int),
     "sntf_pool_fragmentation": ([_vp], ctypes.c_double),
     "sntf_pool_set_pin_hooks": ([_vp, ctypes.c_void_p, ctypes.c_void_p], None),
+    "sntf_pool_set_pin_limit": ([_vp, _u64], None),
+    "sntf_pool_block_pinned": ([_vp, _vp], ctypes.c_int),
 }
 PIN_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64)
 UNPIN_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -122,6 +127,12 @@ class Pool:
 
     def reset_peak(self):
         self.lib.sntf_pool_reset_peak(self.h)
+
+    def set_pin_limit(self, n):
+        self.lib.sntf_pool_set_pin_limit(self.h, n)
+
+    def pinned(self, p):
+        return self.lib.sntf_pool_block_pinned(self.h, p) == 1
 
     def fragmentation(self):
         return self.lib.sntf_pool_fragmentation(self.h)
@@ -847,6 +858,134 @@ def test_a_refused_pin_leaves_the_region_pageable(make_pool, lib):
     assert intact(p, 2 * MiB, 7)
     stats = pool.stats()
     assert stats["pin_failures"] == 1 and stats["pinned_regions"] == 0
+    assert not pool.pinned(p)
     pool.free(p)
     assert pool.trim() > 0
     assert unpinned == [], "unpinned a region that was never pinned"
+
+
+# --------------------------------------------------------------------------
+# Pinning: the cap, the lock
+# --------------------------------------------------------------------------
+
+
+def _recording_hooks():
+    """Pin hooks that accept every region and record (base, size) / base."""
+    pinned, unpinned = {}, []
+
+    def pin(base, size):
+        pinned[base] = size
+        return 0
+
+    return pinned, unpinned, PIN_FN(pin), UNPIN_FN(unpinned.append)
+
+
+def _install(lib, pool, pin_fn, unpin_fn):
+    lib.sntf_pool_set_pin_hooks(pool.h, ctypes.cast(pin_fn, ctypes.c_void_p),
+                                ctypes.cast(unpin_fn, ctypes.c_void_p))
+
+
+def test_pinning_stops_at_the_pin_cap(make_pool, lib):
+    """Finding 1: regions beyond the pinned-bytes cap stay pageable, and each
+    block says which kind of region it lies in."""
+    pinned, unpinned, pin_fn, unpin_fn = _recording_hooks()
+    pool = make_pool(64 * MiB, initial=1 * MiB)
+    pool.set_pin_limit(3 * MiB)
+    _install(lib, pool, pin_fn, unpin_fn)
+    a, _ = pool.alloc(1 * MiB)          # region 1 MiB: pinned (1 of 3)
+    b, _ = pool.alloc(2 * MiB)          # region 2 MiB: pinned (3 of 3)
+    c, _ = pool.alloc(4 * MiB)          # region 4 MiB: over the cap
+    stats = pool.stats()
+    assert stats["num_regions"] == 3 and stats["pin_limit_bytes"] == 3 * MiB
+    assert stats["pinned_regions"] == 2 and stats["pinned_bytes"] == 3 * MiB
+    assert stats["pin_over_limit"] == 1 and stats["pin_failures"] == 0
+    assert sorted(pinned.values()) == [1 * MiB, 2 * MiB]
+    assert pool.pinned(a) and pool.pinned(b) and not pool.pinned(c)
+    for p in (a, b, c):
+        pool.free(p)
+    assert pool.trim() == 7 * MiB
+    assert sorted(unpinned) == sorted(pinned), "unpinned other than the pinned regions"
+    assert pool.stats()["pinned_bytes"] == 0
+
+
+def test_late_hooks_pin_existing_regions_within_the_cap(make_pool, lib):
+    pinned, unpinned, pin_fn, unpin_fn = _recording_hooks()
+    pool = make_pool(64 * MiB, initial=1 * MiB)
+    pool.set_pin_limit(1536 * KiB)
+    a, _ = pool.alloc(1 * MiB)
+    b, _ = pool.alloc(2 * MiB)
+    _install(lib, pool, pin_fn, unpin_fn)   # 1 MiB fits the cap, 2 MiB not
+    stats = pool.stats()
+    assert list(pinned.values()) == [1 * MiB]
+    assert stats["pinned_bytes"] == 1 * MiB and stats["pin_over_limit"] == 1
+    assert pool.pinned(a) and not pool.pinned(b)
+    pool.free(a)
+    pool.free(b)
+    pool.trim()
+    assert list(unpinned) == list(pinned)
+
+
+def test_pinning_runs_outside_the_pool_mutex(make_pool, lib):
+    """While a new region is being pinned (slow: every page is locked), other
+    threads keep allocating from the regions the pool has."""
+    events = []
+    armed, pin_started, other_done = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_pin(base, size):
+        if not armed.is_set():
+            return 0
+        pin_started.set()
+        # If pinning held the pool's mutex, the other thread could not
+        # allocate and this wait would time out.
+        events.append("other allocated" if other_done.wait(20) else "timed out")
+        return 0
+
+    pin_fn, unpin_fn = PIN_FN(slow_pin), UNPIN_FN(lambda base: None)
+    pool = make_pool(64 * MiB, initial=1 * MiB)
+    first, _ = pool.alloc(256 * KiB)        # a region exists before the hooks
+    _install(lib, pool, pin_fn, unpin_fn)   # pins it at once
+    armed.set()
+
+    def other():
+        pin_started.wait(20)
+        p, msg = pool.alloc(1000)           # fits in the first region
+        events.append("ok" if p else msg)
+        other_done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    grown, msg = pool.alloc(2 * MiB)        # maps and pins a new region
+    thread.join(30)
+    assert grown, msg
+    assert "other allocated" in events and "ok" in events, events
+    assert "timed out" not in events
+    assert pool.stats()["pinned_regions"] == 2
+
+
+_PIN_LIMIT_PROBE = r"""
+import ctypes, json, sys
+try:
+    lib = ctypes.CDLL(sys.argv[1])
+except OSError:  # the op library may need TensorFlow loaded first
+    import tensorflow  # noqa: F401
+    lib = ctypes.CDLL(sys.argv[1])
+lib.sntf_pool_global.restype = ctypes.c_void_p
+lib.sntf_pool_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]
+out = (ctypes.c_uint64 * 17)()
+lib.sntf_pool_stats(lib.sntf_pool_global(), out, 17)
+print(json.dumps({"pin_limit": out[15]}))
+"""
+
+
+def test_global_pool_pin_limit_default_and_environment(lib_path):
+    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    default = min(64 * GiB, phys // 4)
+    for value, want in ((None, default), (str(5 * MiB), 5 * MiB), ("5MB", default)):
+        env = dict(os.environ)
+        env.pop("SNTF_HOST_PIN_LIMIT", None)
+        if value is not None:
+            env["SNTF_HOST_PIN_LIMIT"] = value
+        res = subprocess.run([sys.executable, "-c", _PIN_LIMIT_PROBE, lib_path],
+                             capture_output=True, text=True, env=env, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout.strip().splitlines()[-1])["pin_limit"] == want
