@@ -85,8 +85,8 @@ setup(
         NativeExtension(
             "sntf._sntf_ops",
             ["tf_ops/swap_ops.cc", "tf_ops/tensor_cache.cc",
-             "tf_ops/gpu_pinning.cc", "tf_ops/host_pool.cc",
-             "tf_ops/host_pool_capi.cc"],
+             "tf_ops/gpu_pinning.cc", "tf_ops/cuda_runtime_pinning.cc",
+             "tf_ops/host_pool.cc", "tf_ops/host_pool_capi.cc"],
             kind="ops"),
         NativeExtension("sntf._plugin", ["tf_ops/plugin.cc"], kind="plugin"),
     ],

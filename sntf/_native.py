@@ -75,6 +75,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sntf_pool_set_pin_hooks": (None, [vp, PIN_FN, UNPIN_FN]),
         "sntf_pool_set_pin_limit": (None, [vp, u64]),
         "sntf_pool_block_pinned": (ctypes.c_int, [vp, vp]),
+        "sntf_pool_pin_with_cuda_runtime": (ctypes.c_int, [vp, ctypes.c_char_p, u64]),
         "sntf_gpu_pinning": (ctypes.c_int, []),
         "sntf_swap_stats": (ctypes.c_int, [ptr64, ctypes.c_int]),
         "sntf_cache_clear": (ctypes.c_int64, []),

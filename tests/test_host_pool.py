@@ -19,6 +19,7 @@ import time
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+STUB_CUDART_SOURCE = ROOT / "tf_ops" / "testing" / "stub_cudart.cc"
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -62,6 +63,7 @@ SIGNATURES = {
     "sntf_pool_set_pin_hooks": ([_vp, ctypes.c_void_p, ctypes.c_void_p], None),
     "sntf_pool_set_pin_limit": ([_vp, _u64], None),
     "sntf_pool_block_pinned": ([_vp, _vp], ctypes.c_int),
+    "sntf_pool_pin_with_cuda_runtime": ([_vp, ctypes.c_char_p, _u64], ctypes.c_int),
 }
 PIN_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64)
 UNPIN_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -865,7 +867,7 @@ def test_a_refused_pin_leaves_the_region_pageable(make_pool, lib):
 
 
 # --------------------------------------------------------------------------
-# Pinning: the cap, the lock
+# Pinning: the cap, the lock, the CUDA runtime lookup
 # --------------------------------------------------------------------------
 
 
@@ -960,6 +962,90 @@ def test_pinning_runs_outside_the_pool_mutex(make_pool, lib):
     assert "other allocated" in events and "ok" in events, events
     assert "timed out" not in events
     assert pool.stats()["pinned_regions"] == 2
+
+
+_CUDART_PROBE = r"""
+import ctypes, json, sys
+try:
+    lib = ctypes.CDLL(sys.argv[1])
+except OSError:  # the op library may need TensorFlow loaded first
+    import tensorflow  # noqa: F401
+    lib = ctypes.CDLL(sys.argv[1])
+stub = ctypes.CDLL(sys.argv[2]) if len(sys.argv) > 2 else None
+vp, u64 = ctypes.c_void_p, ctypes.c_uint64
+lib.sntf_pool_new.restype = vp
+lib.sntf_pool_new.argtypes = [u64, u64]
+lib.sntf_pool_alloc.restype = vp
+lib.sntf_pool_alloc.argtypes = [vp, u64, ctypes.c_char_p, u64]
+lib.sntf_pool_free.argtypes = [vp, vp]
+lib.sntf_pool_trim.argtypes = [vp]
+lib.sntf_pool_trim.restype = u64
+lib.sntf_pool_block_pinned.argtypes = [vp, vp]
+lib.sntf_pool_pin_with_cuda_runtime.argtypes = [vp, ctypes.c_char_p, u64]
+pool = lib.sntf_pool_new(1 << 30, 1 << 20)
+err = ctypes.create_string_buffer(512)
+ok = lib.sntf_pool_pin_with_cuda_runtime(pool, err, 512)
+result = {"ok": ok, "error": err.value.decode()}
+def counts():
+    out = (u64 * 7)()
+    stub.stub_cudart_counts(out, 7)
+    return dict(zip(["registers", "refusals", "unregisters", "last_error_reads",
+                     "registered_bytes", "flags", "pending_error"], out))
+if ok:
+    small = lib.sntf_pool_alloc(pool, 1 << 20, None, 0)    # 1 MiB region
+    result["after_small"] = counts()
+    big = lib.sntf_pool_alloc(pool, 8 << 20, None, 0)      # refused above 4 MiB
+    result["after_big"] = counts()
+    result["pinned"] = [lib.sntf_pool_block_pinned(pool, small),
+                        lib.sntf_pool_block_pinned(pool, big)]
+    lib.sntf_pool_free(pool, small)
+    lib.sntf_pool_free(pool, big)
+    result["trimmed"] = lib.sntf_pool_trim(pool)
+    result["after_trim"] = counts()
+print("RESULT " + json.dumps(result))
+"""
+
+
+def _run_cudart_probe(lib_path, args, env_extra):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **env_extra)
+    res = subprocess.run([sys.executable, "-c", _CUDART_PROBE, lib_path, *args],
+                         capture_output=True, text=True, env=env, timeout=300)
+    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, f"rc={res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_cuda_runtime_lookup_pins_and_clears_refusals(lib_path, tmp_path):
+    """Finding 7, the CUDA-runtime path, with a stub runtime found through
+    SNTF_CUDART_LIBRARY: portable registration per region, a refusal leaves
+    the region pageable and the runtime's last error cleared, and trimming
+    unregisters exactly the registered regions."""
+    stub = tmp_path / "libcudart_stub.so"
+    res = subprocess.run(["g++", "-std=c++17", "-O1", "-fPIC", "-shared", "-o",
+                          str(stub), str(STUB_CUDART_SOURCE)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    r = _run_cudart_probe(lib_path, [str(stub)], {
+        "SNTF_CUDART_LIBRARY": str(stub), "STUB_CUDART_REFUSE_ABOVE": str(4 * MiB)})
+    assert r["ok"] == 1, r["error"]
+    small = r["after_small"]
+    assert small["registers"] == 1 and small["registered_bytes"] == 1 * MiB
+    assert small["flags"] == 1, "registration must be cudaHostRegisterPortable"
+    big = r["after_big"]
+    assert big["refusals"] == 1 and big["registers"] == 1
+    assert big["last_error_reads"] >= 1 and big["pending_error"] == 0, (
+        "a refused cudaHostRegister must not leave the runtime's last error set")
+    assert r["pinned"] == [1, 0]
+    trimmed = r["after_trim"]
+    assert trimmed["unregisters"] == 1 and trimmed["pending_error"] == 0
+    assert r["trimmed"] == 1 * MiB + 8 * MiB
+
+
+def test_cuda_runtime_lookup_reports_a_missing_runtime(lib_path, tmp_path):
+    missing = tmp_path / "no_such_libcudart.so"
+    r = _run_cudart_probe(lib_path, [], {"SNTF_CUDART_LIBRARY": str(missing)})
+    assert r["ok"] == 0
+    assert str(missing) in r["error"], r["error"]
 
 
 _PIN_LIMIT_PROBE = r"""
