@@ -85,6 +85,7 @@ setup(
         NativeExtension(
             "sntf._sntf_ops",
             ["tf_ops/swap_ops.cc", "tf_ops/tensor_cache.cc",
+             "tf_ops/swap_common.cc", "tf_ops/test_copier.cc",
              "tf_ops/gpu_pinning.cc", "tf_ops/cuda_runtime_pinning.cc",
              "tf_ops/host_pool.cc", "tf_ops/host_pool_capi.cc"],
             kind="ops"),

@@ -1,9 +1,10 @@
 """Locates and loads sntf's compiled libraries.
 
-`_sntf_ops*.so` holds the SnSwapOut/SnSwapIn ops and the host tensor pool; it
-is loaded once with tf.load_op_library (which registers the ops) and opened a
-second time with ctypes for the pool's C API (dlopen returns the same handle,
-so both views share one pool). `_plugin*.so` is the Grappler plugin shim.
+`_sntf_ops*.so` holds the ops (SnSwapOut/SnSwapIn, SnCacheOut/SnCacheIn) and
+the host tensor pool; it is loaded once with tf.load_op_library (which
+registers the ops) and opened a second time with ctypes for the pool's C API
+(dlopen returns the same handle, so both views share one pool). `_plugin*.so`
+is the Grappler plugin shim.
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ POOL_STAT_NAMES = ("bytes_in_use", "peak_bytes_in_use", "bytes_reserved",
                    "pin_limit_bytes", "pin_over_limit")
 SWAP_STAT_NAMES = ("swap_out_ops", "swap_in_ops", "bytes_to_host",
                    "bytes_to_device", "failed_ops", "cache_hits", "cache_misses",
-                   "cache_evictions", "cache_no_stats", "pool_fallbacks")
+                   "cache_evictions", "cache_no_stats", "pool_fallbacks",
+                   "host_memory_passthrough")
+TEST_COPIER_STAT_NAMES = ("issued", "completed", "failed", "in_flight",
+                          "max_in_flight")
+# Kernel label of the test-only CPU kernels that copy like a device: on
+# another thread, after a delay (see set_async_test_copier).
+ASYNC_TEST_LABEL = "sntf_async_test"
 
 
 # Page-locking hooks of the host pool (int pin(void*, uint64), void unpin(void*)).
@@ -59,7 +66,9 @@ def plugin_library_path() -> str:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
+    """Declares the C API's signatures, so ctypes converts arguments exactly."""
     u64, vp, ptr64 = ctypes.c_uint64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)
+    i64 = ctypes.c_int64
     signatures = {
         "sntf_pool_new": (vp, [u64, u64]),
         "sntf_pool_delete": (None, [vp]),
@@ -76,6 +85,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sntf_pool_set_pin_limit": (None, [vp, u64]),
         "sntf_pool_block_pinned": (ctypes.c_int, [vp, vp]),
         "sntf_pool_pin_with_cuda_runtime": (ctypes.c_int, [vp, ctypes.c_char_p, u64]),
+        "sntf_test_copier_configure": (None, [i64, i64]),
+        "sntf_test_copier_stats": (ctypes.c_int, [ptr64, ctypes.c_int]),
         "sntf_gpu_pinning": (ctypes.c_int, []),
         "sntf_swap_stats": (ctypes.c_int, [ptr64, ctypes.c_int]),
         "sntf_cache_clear": (ctypes.c_int64, []),
@@ -165,3 +176,23 @@ def set_host_pin_limit(limit_bytes: int) -> None:
     """
     lib = ops_cdll()
     lib.sntf_pool_set_pin_limit(lib.sntf_pool_global(), int(limit_bytes))
+
+
+def set_async_test_copier(delay_seconds: float = 0.02, fail_next: int = 0) -> None:
+    """Configures the copier of the "sntf_async_test" kernels (tests only).
+
+    Args:
+      delay_seconds: how long after issue each copy completes (copies issued
+        from now on; they still complete in issue order).
+      fail_next: how many of the next copies fail with an Internal error.
+    """
+    ops_cdll().sntf_test_copier_configure(int(delay_seconds * 1e6), int(fail_next))
+
+
+def async_test_copier_stats() -> dict:
+    """Counters of the test copier: issued, completed, failed, in_flight,
+    max_in_flight (the most copies in flight at once)."""
+    lib = ops_cdll()
+    values = (ctypes.c_uint64 * len(TEST_COPIER_STAT_NAMES))()
+    n = lib.sntf_test_copier_stats(values, len(TEST_COPIER_STAT_NAMES))
+    return {name: int(values[i]) for i, name in enumerate(TEST_COPIER_STAT_NAMES[:n])}
