@@ -1,10 +1,10 @@
 """Locates and loads sntf's compiled libraries.
 
-`_sntf_ops*.so` holds the ops (SnSwapOut/SnSwapIn, SnCacheOut/SnCacheIn) and
-the host tensor pool; it is loaded once with tf.load_op_library (which
-registers the ops) and opened a second time with ctypes for the pool's C API
-(dlopen returns the same handle, so both views share one pool). `_plugin*.so`
-is the Grappler plugin shim.
+`_sntf_ops*.so` holds the ops (SnSwapOut/SnSwapIn, SnCacheOut/SnCacheIn,
+SnDeviceBytesLimit, SnTensorMemoryType) and the host tensor pool; it is loaded
+once with tf.load_op_library (which registers the ops) and opened a second
+time with ctypes for the pool's C API (dlopen returns the same handle, so both
+views share one pool). `_plugin*.so` is the Grappler plugin shim.
 """
 
 from __future__ import annotations
@@ -176,6 +176,49 @@ def set_host_pin_limit(limit_bytes: int) -> None:
     """
     lib = ops_cdll()
     lib.sntf_pool_set_pin_limit(lib.sntf_pool_global(), int(limit_bytes))
+
+
+def device_bytes_limit(device: str) -> Optional[int]:
+    """The byte limit of a device's TensorFlow allocator.
+
+    Reads Allocator::GetStats().bytes_limit of the allocator TensorFlow uses
+    for `device`: on a GPU what its BFC allocator may hand out (after
+    memory_limit or a logical-device configuration), on CPU the limit of the
+    BFC allocator under TF_CPU_ALLOCATOR_USE_BFC=true with
+    TF_CPU_BFC_MEM_LIMIT_IN_MB. tf.config.experimental.get_memory_info gives
+    no limit, and device_lib.list_local_devices creates devices anew.
+
+    It runs a small op eagerly on `device`, so call it outside Grappler's
+    graph pass (e.g. when sntf is enabled) and keep the answer.
+
+    Args:
+      device: a device name such as "GPU:0", "/device:CPU:0" or
+        "/job:localhost/replica:0/task:0/device:GPU:1".
+
+    Returns:
+      The limit in bytes; None when the device does not exist in this
+      process or its allocator reports no limit.
+
+    Raises:
+      ValueError: `device` does not name a device type.
+    """
+    import tensorflow as tf
+
+    spec = tf.DeviceSpec.from_string(device) if isinstance(device, str) else None
+    if spec is None or not spec.device_type:
+        raise ValueError(f"device must name a device such as 'GPU:0' or "
+                         f"'CPU:0', got {device!r}")
+    wanted = (spec.device_type.upper(), spec.device_index or 0)
+    module = load_ops()
+    with tf.init_scope(), tf.device(f"/device:{wanted[0]}:{wanted[1]}"):
+        limit = module.sn_device_bytes_limit()
+    # Soft placement moves an op asked for an absent device elsewhere, so
+    # trust only an answer from the device asked for.
+    ran_on = tf.DeviceSpec.from_string(limit.device)
+    if (ran_on.device_type, ran_on.device_index) != wanted:
+        return None
+    value = int(limit.numpy())
+    return None if value < 0 else value
 
 
 def set_async_test_copier(delay_seconds: float = 0.02, fail_next: int = 0) -> None:

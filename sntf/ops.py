@@ -1,4 +1,4 @@
-"""Thin Python wrappers of sntf's ops (swap and tensor cache)."""
+"""Thin Python wrappers of sntf's ops (swap, tensor cache, diagnostics)."""
 
 from __future__ import annotations
 
@@ -78,3 +78,18 @@ def cache_in(ticket, dtype, shape=None, name: str = None):
     return _native.load_ops().sn_cache_in(
         ticket, T=tf.as_dtype(dtype), shape=tf.TensorShape(shape), name=name)
 
+
+def memory_type(x, name: str = None):
+    """The memory type of a tensor's buffer, as TensorFlow's copies see it.
+
+    A diagnostic: TensorFlow stages device copies from and to pageable host
+    buffers through pinned ones, and copies pinned ones directly.
+
+    Args:
+      x: a tensor (CPU-placed) of any dtype swap_out accepts.
+      name: optional op name.
+
+    Returns:
+      A string scalar: "unknown", "device", "host_pageable" or "host_pinned".
+    """
+    return _native.load_ops().sn_tensor_memory_type(x, name=name)
