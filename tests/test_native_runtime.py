@@ -1,8 +1,11 @@
-"""What the native layer tells: the memory type of parked tensors and the
-device allocator's limit."""
+"""What the native layer tells and keeps across a process: the memory type of
+parked tensors, the device allocator's limit, and the plugin's registration
+across exec."""
 
+import os
 import pathlib
 import subprocess
+import sys
 
 import pytest
 
@@ -96,3 +99,42 @@ def test_device_bytes_limit_is_none_without_allocator_statistics(fresh_python):
                                         "TF_ENABLE_ONEDNN_OPTS": "0",
                                         "CUDA_VISIBLE_DEVICES": ""}).result()
     assert r["cpu"] is None and r["gpu"] is None
+
+
+EXEC_SELF = """
+import json, os, sys
+import tensorflow as tf
+import sntf
+from sntf import plugin
+
+stage = sys.argv[1]
+sntf.enable(policy="off")
+
+@tf.function
+def f(x):
+    return tf.reduce_sum(x * 2.0)
+
+f(tf.ones([4]))
+calls = plugin._shim().counters()["calls"]
+if stage == "first":
+    sys.stdout.flush()
+    # Same pid, same environment (the marker included), fresh process image.
+    os.execv(sys.executable, [sys.executable, "-c", sys.argv[2], "second",
+                              sys.argv[2], str(os.getpid()), str(calls)])
+print("RESULT " + json.dumps({
+    "pid_before": int(sys.argv[3]), "pid_after": os.getpid(),
+    "calls_before": int(sys.argv[4]), "calls_after": calls,
+    "registered": plugin.registered_path()}))
+"""
+
+
+def test_registration_survives_exec_with_the_same_pid(fresh_python):
+    """A process that enables sntf and then execs itself (same pid, same
+    environment, so the same "registered" marker) must register the plugin
+    again: TensorFlow's optimizer registry did not survive the exec."""
+    run = fresh_python(args=["-c", EXEC_SELF, "first", EXEC_SELF])
+    r = run.result()
+    assert r["pid_before"] == r["pid_after"]
+    assert r["calls_before"] > 0
+    assert r["calls_after"] > 0, "the exec'd image never ran the pass: not registered"
+    assert r["registered"].endswith(".so")
