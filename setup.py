@@ -6,8 +6,9 @@ install without build isolation:
 
     pip install --no-build-isolation -e .
 
-  * sntf/_sntf_ops.so   custom ops SnSwapOut/SnSwapIn and the host tensor pool,
-                        loaded with tf.load_op_library;
+  * sntf/_sntf_ops.so   custom ops (SnSwapOut/SnSwapIn, SnCacheOut/SnCacheIn,
+                        SnDeviceBytesLimit, SnTensorMemoryType) and the host
+                        tensor pool, loaded with tf.load_op_library;
   * sntf/_plugin*.so    the Grappler plugin shim: a pybind11 module that also
                         exports TF_InitGraph and links libtensorflow_cc.so.2.
 """
@@ -85,7 +86,9 @@ setup(
         NativeExtension(
             "sntf._sntf_ops",
             ["tf_ops/swap_ops.cc", "tf_ops/tensor_cache.cc",
-             "tf_ops/gpu_pinning.cc", "tf_ops/host_pool.cc",
+             "tf_ops/swap_common.cc", "tf_ops/test_copier.cc",
+             "tf_ops/device_ops.cc", "tf_ops/gpu_pinning.cc",
+             "tf_ops/cuda_runtime_pinning.cc", "tf_ops/host_pool.cc",
              "tf_ops/host_pool_capi.cc"],
             kind="ops"),
         NativeExtension("sntf._plugin", ["tf_ops/plugin.cc"], kind="plugin"),

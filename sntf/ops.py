@@ -1,4 +1,4 @@
-"""Thin Python wrappers of the SnSwapOut / SnSwapIn ops."""
+"""Thin Python wrappers of sntf's ops (swap, tensor cache, diagnostics)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ def cache_out(x, budget: int, uses: int = 1, name: str = None,
       headroom: cap on the bytes of the device's cached tensors (-1: none).
 
     Returns:
-      An int64 scalar ticket.
+      An int64 scalar ticket. The cache entry lives no longer than the
+      ticket: once every tensor holding it is gone (all reads done, or the
+      step failed), the entry and its buffers are released.
     """
     return _native.load_ops().sn_cache_out(x, budget=int(budget), uses=int(uses),
                                            headroom=int(headroom), name=name)
@@ -56,15 +58,38 @@ def cache_in(ticket, dtype, shape=None, name: str = None):
     """Returns the tensor behind a cache_out ticket (the device copy if cached).
 
     Args:
-      ticket: the output of cache_out.
+      ticket: the output of cache_out: an int64 scalar, read on the device
+        that issued it.
       dtype: the tensor's dtype.
       shape: its static shape (for shape inference; None: unknown).
       name: optional op name.
 
     Returns:
       The tensor, equal to the one given to cache_out.
+
+    Raises:
+      tf.errors.InvalidArgumentError: the ticket is not a scalar, is unknown
+        or already read `uses` times, was issued on another device, or holds
+        another dtype or shape (at run time; a ticket of known non-scalar
+        shape is rejected when the graph is built).
     """
     import tensorflow as tf
 
     return _native.load_ops().sn_cache_in(
         ticket, T=tf.as_dtype(dtype), shape=tf.TensorShape(shape), name=name)
+
+
+def memory_type(x, name: str = None):
+    """The memory type of a tensor's buffer, as TensorFlow's copies see it.
+
+    A diagnostic: TensorFlow stages device copies from and to pageable host
+    buffers through pinned ones, and copies pinned ones directly.
+
+    Args:
+      x: a tensor (CPU-placed) of any dtype swap_out accepts.
+      name: optional op name.
+
+    Returns:
+      A string scalar: "unknown", "device", "host_pageable" or "host_pinned".
+    """
+    return _native.load_ops().sn_tensor_memory_type(x, name=name)

@@ -1,7 +1,8 @@
 """Tests for the BFC host memory pool (tf_ops/host_pool*.cc) through its C API.
 
-The pool needs no TensorFlow headers, so when the packaged op library is not
-available the fixture compiles the pool sources into a throwaway .so.
+The pool's C API is exported by the shipped op library (sntf/_sntf_ops*.so);
+SNTF_POOL_LIB may name another build of it. A library that does not load is a
+test failure, never a reason to test something else.
 """
 
 import bisect
@@ -13,11 +14,12 @@ import random
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-POOL_SOURCES = [ROOT / "tf_ops" / "host_pool.cc", ROOT / "tf_ops" / "host_pool_capi.cc"]
+STUB_CUDART_SOURCE = ROOT / "tf_ops" / "testing" / "stub_cudart.cc"
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -41,6 +43,8 @@ STAT_NAMES = (
     "pinned_regions",
     "pinned_bytes",
     "pin_failures",
+    "pin_limit_bytes",
+    "pin_over_limit",
 )
 
 _vp, _u64 = ctypes.c_void_p, ctypes.c_uint64
@@ -57,6 +61,9 @@ SIGNATURES = {
     "sntf_pool_stats": ([_vp, ctypes.POINTER(_u64), ctypes.c_int], ctypes.c_int),
     "sntf_pool_fragmentation": ([_vp], ctypes.c_double),
     "sntf_pool_set_pin_hooks": ([_vp, ctypes.c_void_p, ctypes.c_void_p], None),
+    "sntf_pool_set_pin_limit": ([_vp, _u64], None),
+    "sntf_pool_block_pinned": ([_vp, _vp], ctypes.c_int),
+    "sntf_pool_pin_with_cuda_runtime": ([_vp, ctypes.c_char_p, _u64], ctypes.c_int),
 }
 PIN_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64)
 UNPIN_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -67,25 +74,12 @@ def round_up(n):
 
 
 def _packaged_library_path():
-    try:
-        # `import sntf` alone does not import the _native submodule.
-        from sntf.runtime import native as _native  # may not be built yet
+    """The shipped op library, loaded by TensorFlow first: it only sees the
+    ops that register during its own load, not in an earlier plain dlopen."""
+    from sntf.runtime import native as _native
 
-        # TensorFlow must load the library first: it only sees the ops that
-        # register *during* its own load, not in an earlier plain dlopen.
-        _native.load_ops()
-        return _native.ops_library_path()
-    except Exception:
-        return None
-
-
-def _compile_pool(out_dir):
-    so = out_dir / "libsntf_host_pool.so"
-    cmd = ["g++", "-std=c++17", "-O2", "-fPIC", "-shared", "-w", "-o", str(so)]
-    cmd += [str(s) for s in POOL_SOURCES]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, f"compiling the host pool failed:\n{' '.join(cmd)}\n{res.stderr}"
-    return str(so)
+    _native.load_ops()
+    return _native.ops_library_path()
 
 
 def _load(path):
@@ -98,11 +92,8 @@ def _load(path):
 
 
 @pytest.fixture(scope="module")
-def lib_path(tmp_path_factory):
-    path = os.environ.get("SNTF_POOL_LIB") or _packaged_library_path()
-    if path is None:
-        path = _compile_pool(tmp_path_factory.mktemp("host_pool"))
-    return path
+def lib_path():
+    return os.environ.get("SNTF_POOL_LIB") or _packaged_library_path()
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +128,12 @@ class Pool:
 
     def reset_peak(self):
         self.lib.sntf_pool_reset_peak(self.h)
+
+    def set_pin_limit(self, n):
+        self.lib.sntf_pool_set_pin_limit(self.h, n)
+
+    def pinned(self, p):
+        return self.lib.sntf_pool_block_pinned(self.h, p) == 1
 
     def fragmentation(self):
         return self.lib.sntf_pool_fragmentation(self.h)
@@ -848,8 +845,11 @@ def test_pin_hooks_pin_every_region_and_unpin_before_unmapping(make_pool, lib):
 
 
 def test_a_refused_pin_leaves_the_region_pageable(make_pool, lib):
+    # A failure inside a ctypes callback cannot fail the test (ctypes prints
+    # and swallows exceptions there): record the calls and assert after.
+    unpinned = []
     refuse = PIN_FN(lambda base, size: 1)          # e.g. cudaErrorMemoryAllocation
-    never = UNPIN_FN(lambda base: pytest.fail("unpinned a region never pinned"))
+    never = UNPIN_FN(lambda base: unpinned.append(base))
     pool = make_pool(64 * MiB)
     lib.sntf_pool_set_pin_hooks(pool.h, ctypes.cast(refuse, ctypes.c_void_p),
                                 ctypes.cast(never, ctypes.c_void_p))
@@ -859,5 +859,218 @@ def test_a_refused_pin_leaves_the_region_pageable(make_pool, lib):
     assert intact(p, 2 * MiB, 7)
     stats = pool.stats()
     assert stats["pin_failures"] == 1 and stats["pinned_regions"] == 0
+    assert not pool.pinned(p)
     pool.free(p)
     assert pool.trim() > 0
+    assert unpinned == [], "unpinned a region that was never pinned"
+
+
+# --------------------------------------------------------------------------
+# Pinning: the cap, the lock, the CUDA runtime lookup
+# --------------------------------------------------------------------------
+
+
+def _recording_hooks():
+    """Pin hooks that accept every region and record (base, size) / base."""
+    pinned, unpinned = {}, []
+
+    def pin(base, size):
+        pinned[base] = size
+        return 0
+
+    return pinned, unpinned, PIN_FN(pin), UNPIN_FN(unpinned.append)
+
+
+def _install(lib, pool, pin_fn, unpin_fn):
+    lib.sntf_pool_set_pin_hooks(pool.h, ctypes.cast(pin_fn, ctypes.c_void_p),
+                                ctypes.cast(unpin_fn, ctypes.c_void_p))
+
+
+def test_pinning_stops_at_the_pin_cap(make_pool, lib):
+    """Finding 1: regions beyond the pinned-bytes cap stay pageable, and each
+    block says which kind of region it lies in."""
+    pinned, unpinned, pin_fn, unpin_fn = _recording_hooks()
+    pool = make_pool(64 * MiB, initial=1 * MiB)
+    pool.set_pin_limit(3 * MiB)
+    _install(lib, pool, pin_fn, unpin_fn)
+    a, _ = pool.alloc(1 * MiB)          # region 1 MiB: pinned (1 of 3)
+    b, _ = pool.alloc(2 * MiB)          # region 2 MiB: pinned (3 of 3)
+    c, _ = pool.alloc(4 * MiB)          # region 4 MiB: over the cap
+    stats = pool.stats()
+    assert stats["num_regions"] == 3 and stats["pin_limit_bytes"] == 3 * MiB
+    assert stats["pinned_regions"] == 2 and stats["pinned_bytes"] == 3 * MiB
+    assert stats["pin_over_limit"] == 1 and stats["pin_failures"] == 0
+    assert sorted(pinned.values()) == [1 * MiB, 2 * MiB]
+    assert pool.pinned(a) and pool.pinned(b) and not pool.pinned(c)
+    for p in (a, b, c):
+        pool.free(p)
+    assert pool.trim() == 7 * MiB
+    assert sorted(unpinned) == sorted(pinned), "unpinned other than the pinned regions"
+    assert pool.stats()["pinned_bytes"] == 0
+
+
+def test_late_hooks_pin_existing_regions_within_the_cap(make_pool, lib):
+    pinned, unpinned, pin_fn, unpin_fn = _recording_hooks()
+    pool = make_pool(64 * MiB, initial=1 * MiB)
+    pool.set_pin_limit(1536 * KiB)
+    a, _ = pool.alloc(1 * MiB)
+    b, _ = pool.alloc(2 * MiB)
+    _install(lib, pool, pin_fn, unpin_fn)   # 1 MiB fits the cap, 2 MiB not
+    stats = pool.stats()
+    assert list(pinned.values()) == [1 * MiB]
+    assert stats["pinned_bytes"] == 1 * MiB and stats["pin_over_limit"] == 1
+    assert pool.pinned(a) and not pool.pinned(b)
+    pool.free(a)
+    pool.free(b)
+    pool.trim()
+    assert list(unpinned) == list(pinned)
+
+
+def test_pinning_runs_outside_the_pool_mutex(make_pool, lib):
+    """While a new region is being pinned (slow: every page is locked), other
+    threads keep allocating from the regions the pool has."""
+    events = []
+    armed, pin_started, other_done = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_pin(base, size):
+        if not armed.is_set():
+            return 0
+        pin_started.set()
+        # If pinning held the pool's mutex, the other thread could not
+        # allocate and this wait would time out.
+        events.append("other allocated" if other_done.wait(20) else "timed out")
+        return 0
+
+    pin_fn, unpin_fn = PIN_FN(slow_pin), UNPIN_FN(lambda base: None)
+    pool = make_pool(64 * MiB, initial=1 * MiB)
+    first, _ = pool.alloc(256 * KiB)        # a region exists before the hooks
+    _install(lib, pool, pin_fn, unpin_fn)   # pins it at once
+    armed.set()
+
+    def other():
+        pin_started.wait(20)
+        p, msg = pool.alloc(1000)           # fits in the first region
+        events.append("ok" if p else msg)
+        other_done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    grown, msg = pool.alloc(2 * MiB)        # maps and pins a new region
+    thread.join(30)
+    assert grown, msg
+    assert "other allocated" in events and "ok" in events, events
+    assert "timed out" not in events
+    assert pool.stats()["pinned_regions"] == 2
+
+
+_CUDART_PROBE = r"""
+import ctypes, json, sys
+try:
+    lib = ctypes.CDLL(sys.argv[1])
+except OSError:  # the op library may need TensorFlow loaded first
+    import tensorflow  # noqa: F401
+    lib = ctypes.CDLL(sys.argv[1])
+stub = ctypes.CDLL(sys.argv[2]) if len(sys.argv) > 2 else None
+vp, u64 = ctypes.c_void_p, ctypes.c_uint64
+lib.sntf_pool_new.restype = vp
+lib.sntf_pool_new.argtypes = [u64, u64]
+lib.sntf_pool_alloc.restype = vp
+lib.sntf_pool_alloc.argtypes = [vp, u64, ctypes.c_char_p, u64]
+lib.sntf_pool_free.argtypes = [vp, vp]
+lib.sntf_pool_trim.argtypes = [vp]
+lib.sntf_pool_trim.restype = u64
+lib.sntf_pool_block_pinned.argtypes = [vp, vp]
+lib.sntf_pool_pin_with_cuda_runtime.argtypes = [vp, ctypes.c_char_p, u64]
+pool = lib.sntf_pool_new(1 << 30, 1 << 20)
+err = ctypes.create_string_buffer(512)
+ok = lib.sntf_pool_pin_with_cuda_runtime(pool, err, 512)
+result = {"ok": ok, "error": err.value.decode()}
+def counts():
+    out = (u64 * 7)()
+    stub.stub_cudart_counts(out, 7)
+    return dict(zip(["registers", "refusals", "unregisters", "last_error_reads",
+                     "registered_bytes", "flags", "pending_error"], out))
+if ok:
+    small = lib.sntf_pool_alloc(pool, 1 << 20, None, 0)    # 1 MiB region
+    result["after_small"] = counts()
+    big = lib.sntf_pool_alloc(pool, 8 << 20, None, 0)      # refused above 4 MiB
+    result["after_big"] = counts()
+    result["pinned"] = [lib.sntf_pool_block_pinned(pool, small),
+                        lib.sntf_pool_block_pinned(pool, big)]
+    lib.sntf_pool_free(pool, small)
+    lib.sntf_pool_free(pool, big)
+    result["trimmed"] = lib.sntf_pool_trim(pool)
+    result["after_trim"] = counts()
+print("RESULT " + json.dumps(result))
+"""
+
+
+def _run_cudart_probe(lib_path, args, env_extra):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **env_extra)
+    res = subprocess.run([sys.executable, "-c", _CUDART_PROBE, lib_path, *args],
+                         capture_output=True, text=True, env=env, timeout=300)
+    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, f"rc={res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_cuda_runtime_lookup_pins_and_clears_refusals(lib_path, tmp_path):
+    """Finding 7, the CUDA-runtime path, with a stub runtime found through
+    SNTF_CUDART_LIBRARY: portable registration per region, a refusal leaves
+    the region pageable and the runtime's last error cleared, and trimming
+    unregisters exactly the registered regions."""
+    stub = tmp_path / "libcudart_stub.so"
+    res = subprocess.run(["g++", "-std=c++17", "-O1", "-fPIC", "-shared", "-o",
+                          str(stub), str(STUB_CUDART_SOURCE)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    r = _run_cudart_probe(lib_path, [str(stub)], {
+        "SNTF_CUDART_LIBRARY": str(stub), "STUB_CUDART_REFUSE_ABOVE": str(4 * MiB)})
+    assert r["ok"] == 1, r["error"]
+    small = r["after_small"]
+    assert small["registers"] == 1 and small["registered_bytes"] == 1 * MiB
+    assert small["flags"] == 1, "registration must be cudaHostRegisterPortable"
+    big = r["after_big"]
+    assert big["refusals"] == 1 and big["registers"] == 1
+    assert big["last_error_reads"] >= 1 and big["pending_error"] == 0, (
+        "a refused cudaHostRegister must not leave the runtime's last error set")
+    assert r["pinned"] == [1, 0]
+    trimmed = r["after_trim"]
+    assert trimmed["unregisters"] == 1 and trimmed["pending_error"] == 0
+    assert r["trimmed"] == 1 * MiB + 8 * MiB
+
+
+def test_cuda_runtime_lookup_reports_a_missing_runtime(lib_path, tmp_path):
+    missing = tmp_path / "no_such_libcudart.so"
+    r = _run_cudart_probe(lib_path, [], {"SNTF_CUDART_LIBRARY": str(missing)})
+    assert r["ok"] == 0
+    assert str(missing) in r["error"], r["error"]
+
+
+_PIN_LIMIT_PROBE = r"""
+import ctypes, json, sys
+try:
+    lib = ctypes.CDLL(sys.argv[1])
+except OSError:  # the op library may need TensorFlow loaded first
+    import tensorflow  # noqa: F401
+    lib = ctypes.CDLL(sys.argv[1])
+lib.sntf_pool_global.restype = ctypes.c_void_p
+lib.sntf_pool_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]
+out = (ctypes.c_uint64 * 17)()
+lib.sntf_pool_stats(lib.sntf_pool_global(), out, 17)
+print(json.dumps({"pin_limit": out[15]}))
+"""
+
+
+def test_global_pool_pin_limit_default_and_environment(lib_path):
+    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    default = min(64 * GiB, phys // 4)
+    for value, want in ((None, default), (str(5 * MiB), 5 * MiB), ("5MB", default)):
+        env = dict(os.environ)
+        env.pop("SNTF_HOST_PIN_LIMIT", None)
+        if value is not None:
+            env["SNTF_HOST_PIN_LIMIT"] = value
+        res = subprocess.run([sys.executable, "-c", _PIN_LIMIT_PROBE, lib_path],
+                             capture_output=True, text=True, env=env, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout.strip().splitlines()[-1])["pin_limit"] == want

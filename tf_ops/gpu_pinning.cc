@@ -1,16 +1,20 @@
-// Page-locked host pool on GPU machines: when a GPU kernel of the swap ops is
-// constructed, the CUDA runtime that TensorFlow loaded is looked up and every
-// region of the host pool is registered with cudaHostRegister (and
-// unregistered before it is unmapped), so device<->host copies of parked
-// tensors run at pinned-memory speed and asynchronously.
+// Page-locked host pool on GPU machines.
 //
-// No CUDA headers or link dependency: the two entry points are found with
-// dlsym in the already-loaded runtime. If none is loaded, the pool stays
-// pageable and sntf_gpu_pinning() says so. This has not run on a GPU; the
-// pool's hook logic is exercised on CPU with injected hooks
-// (sntf_pool_set_pin_hooks).
-
-#include <dlfcn.h>
+// The first time a GPU kernel of sntf's ops runs, the host pool is given pin
+// hooks that register its regions through the StreamExecutor of that
+// kernel's device: stream->parent()->HostMemoryRegister(), TensorFlow's own
+// path to cuMemHostRegister. The executor activates its device's context for
+// each call, so pinning never depends on which context (if any) the calling
+// thread has current, and a refused registration is returned as `false`
+// rather than left behind as the CUDA runtime's last error. StreamExecutor
+// registers with CU_MEMHOSTREGISTER_PORTABLE, so one executor's
+// registration serves every GPU. Kernel constructors never pin: they run
+// where no device stream is at hand.
+//
+// The pool pins regions only up to its pin cap (HostPool::DefaultPinLimit,
+// SNTF_HOST_PIN_LIMIT) and never under its mutex. This has not run on a GPU;
+// the pool's side of it runs on CPU with injected hooks and with a stub CUDA
+// runtime (tests/test_host_pool.py).
 
 #include <atomic>
 #include <cstdint>
@@ -18,67 +22,59 @@
 
 #include "host_pool.h"
 #include "swap_common.h"
+#include "tensorflow/core/framework/device_base.h"
+#include "xla/stream_executor/stream.h"
+#include "xla/stream_executor/stream_executor.h"
 
 namespace sntf {
 namespace {
 
-using RegisterFn = int (*)(void*, size_t, unsigned int);
-using UnregisterFn = int (*)(void*);
+// 0: no GPU kernel has run; 1: pinning through a StreamExecutor; -1: a GPU
+// kernel ran but its device exposed no stream executor.
+std::atomic<int> g_state{0};
 
-RegisterFn g_register = nullptr;
-UnregisterFn g_unregister = nullptr;
-std::atomic<int> g_state{0};  // 0: not tried, 1: pinning, -1: no CUDA runtime
-
-constexpr unsigned int kCudaHostRegisterPortable = 1;
-
-int Pin(void* base, uint64_t bytes) {
-  return g_register(base, static_cast<size_t>(bytes), kCudaHostRegisterPortable);
+stream_executor::StreamExecutor* ExecutorOf(tensorflow::OpKernelContext* ctx) {
+  const tensorflow::DeviceBase::AcceleratorDeviceInfo* info =
+      ctx->device()->tensorflow_accelerator_device_info();
+  if (info == nullptr || info->stream == nullptr) return nullptr;
+  return info->stream->parent();
 }
 
-void Unpin(void* base) { g_unregister(base); }
-
-void* LoadedCudaRuntime() {
-  const char* names[] = {"libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0",
-                         "libcudart.so"};
-  for (const char* name : names) {
-    // RTLD_NOLOAD: only a runtime TensorFlow already loaded.
-    if (void* handle = dlopen(name, RTLD_NOW | RTLD_NOLOAD)) return handle;
-  }
-  return nullptr;
+PinHooks ExecutorHooks(stream_executor::StreamExecutor* executor) {
+  PinHooks hooks;
+  hooks.pin = [executor](void* base, uint64_t bytes) {
+    return executor->HostMemoryRegister(base, bytes) ? 0 : 1;
+  };
+  hooks.unpin = [executor](void* base) {
+    executor->HostMemoryUnregister(base);
+  };
+  return hooks;
 }
 
-void TryEnable() {
-  void* handle = LoadedCudaRuntime();
-  void* reg = handle ? dlsym(handle, "cudaHostRegister")
-                     : dlsym(RTLD_DEFAULT, "cudaHostRegister");
-  void* unreg = handle ? dlsym(handle, "cudaHostUnregister")
-                       : dlsym(RTLD_DEFAULT, "cudaHostUnregister");
-  if (reg == nullptr || unreg == nullptr) {
+void PinThroughDevice(tensorflow::OpKernelContext* ctx) {
+  stream_executor::StreamExecutor* executor = ExecutorOf(ctx);
+  if (executor == nullptr) {
     g_state = -1;
     return;
   }
-  g_register = reinterpret_cast<RegisterFn>(reg);
-  g_unregister = reinterpret_cast<UnregisterFn>(unreg);
-  PinHooks hooks;
-  hooks.pin = &Pin;
-  hooks.unpin = &Unpin;
-  GlobalHostPool().SetPinHooks(hooks);
+  GlobalHostPool().SetPinHooks(ExecutorHooks(executor));
   g_state = 1;
 }
 
 }  // namespace
 
-void EnableGpuPinning() {
+void EnsureDevicePinning(tensorflow::OpKernelContext* ctx) {
   static std::once_flag once;
-  std::call_once(once, TryEnable);
+  std::call_once(once, PinThroughDevice, ctx);
 }
 
 }  // namespace sntf
 
 extern "C" {
 
-// 0: no GPU swap kernel built yet; 1: the host pool is page-locked through
-// the CUDA runtime; -1: a GPU kernel was built but no CUDA runtime was found.
+// 0: no GPU kernel of sntf's ops has run; 1: the host pool is page-locked
+// through a device's StreamExecutor; -1: a GPU kernel ran but its device
+// exposed no stream executor, so the pool stays pageable.
 __attribute__((visibility("default"))) int sntf_gpu_pinning() {
   return sntf::g_state.load();
 }

@@ -72,64 +72,91 @@ std::string FailurePrefix(int failure) {
 
 }  // namespace
 
-HostPool::HostPool(uint64_t limit_bytes, uint64_t initial_region_bytes)
+HostPool::HostPool(uint64_t limit_bytes, uint64_t initial_region_bytes,
+                   uint64_t pin_limit_bytes)
     : limit_bytes_(limit_bytes),
       // Regions must be multiples of kAlignment so every chunk boundary is
       // aligned; a request that cannot round up rounds down instead.
       initial_region_bytes_(
           std::max(kMinChunk, RoundRequest(initial_region_bytes) != 0
                                   ? RoundRequest(initial_region_bytes)
-                                  : RoundDown(initial_region_bytes))) {}
+                                  : RoundDown(initial_region_bytes))),
+      pin_limit_bytes_(pin_limit_bytes) {}
 
 HostPool::~HostPool() {
-  for (const auto& region : regions_) UnmapLocked(region.first, region.second);
-}
-
-void HostPool::PinLocked(uintptr_t base, uint64_t bytes) {
-  if (hooks_.pin == nullptr || pinned_.count(base) != 0) return;
-  if (hooks_.pin(reinterpret_cast<void*>(base), bytes) == 0) {
-    pinned_.insert(base);
-    stats_.pinned_regions += 1;
-    stats_.pinned_bytes += bytes;
-  } else {
-    stats_.pin_failures += 1;
+  for (const auto& region : regions_) {
+    UnpinAndUnmap({region.first, region.second.size,
+                   region.second.pinned ? region.second.pinned_by : nullptr});
   }
 }
 
-void HostPool::UnmapLocked(uintptr_t base, uint64_t bytes) {
-  if (pinned_.erase(base) != 0) {
-    if (hooks_.unpin != nullptr) hooks_.unpin(reinterpret_cast<void*>(base));
-    stats_.pinned_regions -= 1;
-    stats_.pinned_bytes -= bytes;
+void HostPool::UnpinAndUnmap(const Released& region) {
+  if (region.pinned_by != nullptr && region.pinned_by->unpin) {
+    region.pinned_by->unpin(reinterpret_cast<void*>(region.base));
   }
-  UnmapRegion(base, bytes);
+  UnmapRegion(region.base, region.size);
+}
+
+bool HostPool::PinFitsLocked(uint64_t bytes) const {
+  const uint64_t committed = stats_.pinned_bytes + pending_pin_bytes_;
+  return committed <= pin_limit_bytes_ && bytes <= pin_limit_bytes_ - committed;
+}
+
+// Marks the regions the new hooks should pin (within the cap) as being
+// pinned, so that Trim leaves them mapped while the hooks run unlocked.
+std::vector<uintptr_t> HostPool::ClaimUnpinnedLocked(
+    const std::shared_ptr<const PinHooks>& hooks) {
+  std::vector<uintptr_t> claimed;
+  if (hooks == nullptr || !hooks->pin) return claimed;
+  for (auto& entry : regions_) {
+    Region& region = entry.second;
+    if (region.pinned || region.pinning) continue;
+    if (!PinFitsLocked(region.size)) {
+      ++stats_.pin_over_limit;
+      continue;
+    }
+    claimed.push_back(entry.first);
+    region.pinning = true;
+    pending_pin_bytes_ += region.size;
+  }
+  return claimed;
 }
 
 void HostPool::SetPinHooks(PinHooks hooks) {
+  std::shared_ptr<const PinHooks> shared;
+  if (hooks.pin) shared = std::make_shared<const PinHooks>(std::move(hooks));
+  std::vector<uintptr_t> claimed;
+  std::vector<uint64_t> sizes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    hooks_ = shared;
+    claimed = ClaimUnpinnedLocked(shared);
+    for (uintptr_t base : claimed) sizes.push_back(regions_.at(base).size);
+  }
+  // Registration commits and locks every page: never under the mutex, so
+  // allocations from other regions go on meanwhile.
+  std::vector<int> results;
+  for (size_t i = 0; i < claimed.size(); ++i) {
+    results.push_back(shared->pin(reinterpret_cast<void*>(claimed[i]), sizes[i]));
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  hooks_ = hooks;
-  for (const auto& region : regions_) PinLocked(region.first, region.second);
+  for (size_t i = 0; i < claimed.size(); ++i) {
+    Region& region = regions_.at(claimed[i]);
+    region.pinning = false;
+    pending_pin_bytes_ -= region.size;
+    if (results[i] != 0) {
+      ++stats_.pin_failures;
+      continue;
+    }
+    region.pinned = true;
+    region.pinned_by = shared;
+    ++stats_.pinned_regions;
+    stats_.pinned_bytes += region.size;
+  }
 }
 
-void* HostPool::Allocate(uint64_t bytes, std::string* error) {
-  std::lock_guard<std::mutex> lock(mu_);
-  const uint64_t rounded = RoundRequest(bytes);
-  int failure = rounded == 0 ? kTooLarge : kServed;
-  void* ptr = nullptr;
-  if (failure == kServed) {
-    try {
-      ptr = AllocateLocked(rounded, &failure);
-    } catch (...) {  // std::bad_alloc from map/set nodes; state is unchanged
-      failure = kNoBookkeepingMemory;
-    }
-  }
-  if (ptr != nullptr) {
-    ++stats_.num_allocs;
-    ++stats_.active_allocs;
-    stats_.bytes_in_use += rounded;
-    NoteUsage();
-    return ptr;
-  }
+void* HostPool::Fail(int failure, uint64_t bytes, uint64_t rounded,
+                     std::string* error) {
   ++stats_.num_failed_allocs;
   if (error != nullptr) {
     try {
@@ -140,15 +167,139 @@ void* HostPool::Allocate(uint64_t bytes, std::string* error) {
   return nullptr;
 }
 
-void* HostPool::AllocateLocked(uint64_t rounded, int* failure) {
-  auto it = FindBestFit(rounded);
-  if (it == chunks_.end()) {
-    *failure = GrowLocked(rounded);
-    if (*failure != kServed) return nullptr;
-    it = FindBestFit(rounded);
+void* HostPool::Allocate(uint64_t bytes, std::string* error, bool* pinned) {
+  bool block_pinned = false;
+  if (pinned == nullptr) pinned = &block_pinned;
+  *pinned = false;
+  const uint64_t rounded = RoundRequest(bytes);
+  Growth growth;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (rounded == 0) return Fail(kTooLarge, bytes, rounded, error);
+    void* ptr = nullptr;
+    try {
+      ptr = TakeFitLocked(rounded, pinned);
+    } catch (...) {  // std::bad_alloc from map/set nodes; state is unchanged
+      return Fail(kNoBookkeepingMemory, bytes, rounded, error);
+    }
+    if (ptr != nullptr) return ptr;
+    const int failure = PlanGrowthLocked(rounded, &growth);
+    if (failure != kServed) return Fail(failure, bytes, rounded, error);
   }
+  // mmap and page-locking a region are the slow steps: outside the mutex.
+  MapAndPin(&growth);
+  std::lock_guard<std::mutex> lock(mu_);
+  int failure = kServed;
+  void* ptr = FinishGrowthLocked(&growth, &failure, pinned);
+  if (ptr == nullptr) return Fail(failure, bytes, rounded, error);
+  return ptr;
+}
+
+void* HostPool::TakeFitLocked(uint64_t rounded, bool* pinned) {
+  auto it = FindBestFit(rounded);
+  if (it == chunks_.end()) return nullptr;
   TakeChunk(it, rounded);
+  *pinned = regions_.at(it->second.region).pinned;
+  ++stats_.num_allocs;
+  ++stats_.active_allocs;
+  stats_.bytes_in_use += rounded;
+  NoteUsage();
   return reinterpret_cast<void*>(it->first);
+}
+
+// Reserves the next region's bytes (and, within the cap, its pinning)
+// against the limits, so that concurrent growers never overshoot them.
+int HostPool::PlanGrowthLocked(uint64_t rounded, Growth* growth) {
+  const uint64_t size = NextRegionSize(rounded);
+  if (size < rounded) return kOverLimit;
+  growth->rounded = rounded;
+  growth->size = size;
+  growth->reserved = size;
+  pending_bytes_ += size;
+  last_region_bytes_ = std::max(last_region_bytes_, size);
+  if (hooks_ != nullptr) {
+    if (PinFitsLocked(size)) {
+      growth->pin_with = hooks_;
+      pending_pin_bytes_ += size;
+    } else {
+      ++stats_.pin_over_limit;
+    }
+  }
+  return kServed;
+}
+
+void HostPool::MapAndPin(Growth* growth) {
+  errno = 0;
+  void* base = MapRegion(growth->size);
+  if (base == nullptr && growth->size > growth->rounded) {
+    // The growth policy asked for more than the request needs; the request
+    // itself may still fit in what the OS can give.
+    growth->size = growth->rounded;
+    errno = 0;
+    base = MapRegion(growth->size);
+  }
+  if (base == nullptr) {
+    growth->error = errno != 0 ? errno : ENOMEM;
+    return;
+  }
+  growth->base = reinterpret_cast<uintptr_t>(base);
+  if (growth->pin_with != nullptr) {
+    growth->pinned = growth->pin_with->pin(base, growth->size) == 0;
+  }
+}
+
+void HostPool::ReleaseReservationLocked(const Growth& growth) {
+  // MapAndPin may have shrunk growth.size since the plan: release what the
+  // plan reserved.
+  pending_bytes_ -= growth.reserved;
+  if (growth.pin_with != nullptr) pending_pin_bytes_ -= growth.reserved;
+}
+
+void* HostPool::FinishGrowthLocked(Growth* growth, int* failure,
+                                   bool* pinned) {
+  if (growth->base == 0) {
+    *failure = growth->error;
+    ReleaseReservationLocked(*growth);
+    return nullptr;
+  }
+  const uintptr_t addr = growth->base;
+  try {
+    Region region;
+    region.size = growth->size;
+    region.pinned = growth->pinned;
+    if (growth->pinned) region.pinned_by = growth->pin_with;
+    regions_.emplace(addr, region);
+    chunks_.emplace(addr, Chunk{growth->size, addr, false});
+    free_.emplace(growth->size, addr);
+  } catch (...) {
+    free_.erase({growth->size, addr});
+    chunks_.erase(addr);
+    regions_.erase(addr);
+    ReleaseReservationLocked(*growth);
+    UnpinAndUnmap({addr, growth->size,
+                   growth->pinned ? growth->pin_with : nullptr});
+    *failure = kNoBookkeepingMemory;
+    return nullptr;
+  }
+  ReleaseReservationLocked(*growth);
+  stats_.bytes_reserved += growth->size;
+  if (growth->pin_with != nullptr) {
+    if (growth->pinned) {
+      ++stats_.pinned_regions;
+      stats_.pinned_bytes += growth->size;
+    } else {
+      ++stats_.pin_failures;
+    }
+  }
+  // The new region is one free chunk nobody else could take yet: the lock
+  // has been held since it was indexed.
+  void* ptr = nullptr;
+  try {
+    ptr = TakeFitLocked(growth->rounded, pinned);
+  } catch (...) {  // std::bad_alloc splitting the chunk; the region stays
+  }
+  *failure = ptr == nullptr ? kNoBookkeepingMemory : kServed;
+  return ptr;
 }
 
 HostPool::ChunkMap::iterator HostPool::FindBestFit(uint64_t rounded) {
@@ -156,41 +307,10 @@ HostPool::ChunkMap::iterator HostPool::FindBestFit(uint64_t rounded) {
   return fit == free_.end() ? chunks_.end() : chunks_.find(fit->second);
 }
 
-int HostPool::GrowLocked(uint64_t rounded) {
-  uint64_t size = NextRegionSize(rounded);
-  if (size < rounded) return kOverLimit;
-  void* base = MapRegion(size);
-  if (base == nullptr && size > rounded) {
-    // The growth policy asked for more than the request needs; the request
-    // itself may still fit in what the OS can give.
-    size = rounded;
-    base = MapRegion(size);
-  }
-  if (base == nullptr) return errno != 0 ? errno : ENOMEM;
-
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(base);
-  try {
-    regions_.emplace(addr, size);
-    chunks_.emplace(addr, Chunk{size, addr, false});
-    free_.emplace(size, addr);
-  } catch (...) {
-    free_.erase({size, addr});
-    chunks_.erase(addr);
-    regions_.erase(addr);
-    UnmapRegion(addr, size);
-    throw;
-  }
-  last_region_bytes_ = size;
-  stats_.bytes_reserved += size;
-  PinLocked(addr, size);
-  NoteUsage();
-  return kServed;
-}
-
 // Geometric growth keeps the number of regions (and mmap calls) logarithmic
 // in the peak footprint; the limit always wins over the policy.
 uint64_t HostPool::NextRegionSize(uint64_t rounded) const {
-  const uint64_t reserved = stats_.bytes_reserved;
+  const uint64_t reserved = stats_.bytes_reserved + pending_bytes_;
   const uint64_t headroom =
       RoundDown(limit_bytes_ > reserved ? limit_bytes_ - reserved : 0);
   const uint64_t wanted = std::max(
@@ -215,6 +335,13 @@ void HostPool::TakeChunk(ChunkMap::iterator it, uint64_t rounded) {
   }
   chunk.size = rounded;
   chunk.in_use = true;
+}
+
+bool HostPool::BlockPinned(const void* ptr) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = chunks_.find(reinterpret_cast<uintptr_t>(ptr));
+  if (it == chunks_.end() || !it->second.in_use) return false;
+  return regions_.at(it->second.region).pinned;
 }
 
 bool HostPool::Deallocate(void* ptr) {
@@ -291,32 +418,52 @@ void HostPool::SetLimit(uint64_t limit_bytes) {
   limit_bytes_ = limit_bytes;
 }
 
-size_t HostPool::Trim() {
+void HostPool::SetPinLimit(uint64_t pin_limit_bytes) {
   std::lock_guard<std::mutex> lock(mu_);
-  size_t released = 0;
-  for (auto region = regions_.begin(); region != regions_.end();) {
-    // Coalescing guarantees a fully free region is exactly one free chunk.
-    const auto chunk = chunks_.find(region->first);
-    if (chunk->second.in_use || chunk->second.size != region->second) {
-      ++region;
-      continue;
+  pin_limit_bytes_ = pin_limit_bytes;
+}
+
+size_t HostPool::Trim() {
+  std::vector<Released> released;
+  size_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto region = regions_.begin(); region != regions_.end();) {
+      // Coalescing guarantees a fully free region is exactly one free chunk.
+      const auto chunk = chunks_.find(region->first);
+      if (region->second.pinning || chunk->second.in_use ||
+          chunk->second.size != region->second.size) {
+        ++region;
+        continue;
+      }
+      released.reserve(regions_.size());  // may throw: nothing changed yet
+      free_.erase({chunk->second.size, chunk->first});
+      chunks_.erase(chunk);
+      const Region& r = region->second;
+      if (r.pinned) {
+        --stats_.pinned_regions;
+        stats_.pinned_bytes -= r.size;
+      }
+      released.push_back(
+          {region->first, r.size, r.pinned ? r.pinned_by : nullptr});
+      stats_.bytes_reserved -= r.size;
+      bytes += r.size;
+      region = regions_.erase(region);
     }
-    free_.erase({chunk->second.size, chunk->first});
-    chunks_.erase(chunk);
-    UnmapLocked(region->first, region->second);
-    stats_.bytes_reserved -= region->second;
-    released += region->second;
-    region = regions_.erase(region);
+    // A fully trimmed pool starts small again instead of doubling forever.
+    if (regions_.empty() && pending_bytes_ == 0) last_region_bytes_ = 0;
   }
-  // A fully trimmed pool starts small again instead of doubling forever.
-  if (regions_.empty()) last_region_bytes_ = 0;
-  return released;
+  // Unregistering and unmapping are system calls: outside the mutex. The
+  // regions are out of every index, so nobody can allocate from them.
+  for (const Released& region : released) UnpinAndUnmap(region);
+  return bytes;
 }
 
 HostPoolStats HostPool::GetStats() const {
   std::lock_guard<std::mutex> lock(mu_);
   HostPoolStats stats = stats_;
   stats.limit_bytes = limit_bytes_;
+  stats.pin_limit_bytes = pin_limit_bytes_;
   stats.largest_free_block = LargestFreeLocked();
   stats.free_bytes = stats.bytes_reserved - stats.bytes_in_use;
   stats.num_regions = regions_.size();
@@ -382,27 +529,41 @@ bool ParseByteCount(const char* text, uint64_t* out) {
   return true;
 }
 
-uint64_t GlobalPoolLimit() {
-  const uint64_t fallback = PhysicalMemoryBytes();
-  const char* env = std::getenv("SNTF_HOST_POOL_LIMIT");
+// A byte count from the environment variable `name`, or `fallback` (named
+// `fallback_name` in the warning) when it is unset or malformed.
+uint64_t ByteCountFromEnv(const char* name, uint64_t fallback,
+                          const char* fallback_name) {
+  const char* env = std::getenv(name);
   // An empty value is how shells spell "unset" for one command.
   if (env == nullptr || *env == '\0') return fallback;
-  uint64_t limit = 0;
-  if (ParseByteCount(env, &limit)) return limit;
+  uint64_t value = 0;
+  if (ParseByteCount(env, &value)) return value;
   std::fprintf(stderr,
-               "sntf: ignoring malformed SNTF_HOST_POOL_LIMIT=\"%s\" (expected "
-               "a plain integer byte count); using the physical memory size, "
-               "%llu bytes\n",
-               env, static_cast<unsigned long long>(fallback));
+               "sntf: ignoring malformed %s=\"%s\" (expected a plain integer "
+               "byte count); using %s, %llu bytes\n",
+               name, env, fallback_name,
+               static_cast<unsigned long long>(fallback));
   return fallback;
 }
 
 }  // namespace
 
+uint64_t HostPool::DefaultPinLimit() {
+  constexpr uint64_t kTensorFlowDefault = uint64_t{64} << 30;
+  const uint64_t physical = PhysicalMemoryBytes();
+  const uint64_t quarter = physical == kMaxU64 ? kMaxU64 : physical / 4;
+  return std::min(kTensorFlowDefault, quarter);
+}
+
 HostPool& GlobalHostPool() {
   // Leaked on purpose: static destructors run before some tensors are freed
   // at exit, and those frees must still find a live pool.
-  static HostPool* const pool = new HostPool(GlobalPoolLimit());
+  static HostPool* const pool = new HostPool(
+      ByteCountFromEnv("SNTF_HOST_POOL_LIMIT", PhysicalMemoryBytes(),
+                       "the physical memory size"),
+      uint64_t{64} << 20,
+      ByteCountFromEnv("SNTF_HOST_PIN_LIMIT", HostPool::DefaultPinLimit(),
+                       "the default pin limit"));
   return *pool;
 }
 

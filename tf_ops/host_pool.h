@@ -13,19 +13,25 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace sntf {
 
 // Page-locks host memory for fast, asynchronous device copies (on a GPU:
-// cudaHostRegister / cudaHostUnregister). pin returns 0 on success.
+// StreamExecutor::HostMemoryRegister / HostMemoryUnregister, or the CUDA
+// runtime's cudaHostRegister / cudaHostUnregister). pin returns 0 on success.
+// The pool never calls them while holding its mutex: registering commits and
+// locks every page of a region, which takes long for large regions.
 struct PinHooks {
-  int (*pin)(void* base, uint64_t bytes) = nullptr;
-  void (*unpin)(void* base) = nullptr;
+  std::function<int(void* base, uint64_t bytes)> pin;
+  std::function<void(void* base)> unpin;
 };
 
 struct HostPoolStats {
@@ -44,6 +50,8 @@ struct HostPoolStats {
   uint64_t pinned_regions = 0;  // regions the pin hook accepted
   uint64_t pinned_bytes = 0;
   uint64_t pin_failures = 0;    // regions the pin hook refused (left pageable)
+  uint64_t pin_limit_bytes = 0;  // cap on pinned_bytes
+  uint64_t pin_over_limit = 0;   // regions left pageable because of the cap
   // 1 - largest_free_block / free_bytes; 0 when free_bytes == 0.
   double fragmentation = 0.0;
 };
@@ -53,9 +61,11 @@ class HostPool {
   static constexpr uint64_t kAlignment = 256;
   static constexpr uint64_t kMinChunk = 256;
 
-  // limit_bytes caps the total bytes reserved from the OS (all regions).
+  // limit_bytes caps the total bytes reserved from the OS (all regions);
+  // pin_limit_bytes caps the bytes of regions the pin hook may lock.
   explicit HostPool(uint64_t limit_bytes,
-                    uint64_t initial_region_bytes = uint64_t{64} << 20);
+                    uint64_t initial_region_bytes = uint64_t{64} << 20,
+                    uint64_t pin_limit_bytes = DefaultPinLimit());
   // Unmaps every region: pointers still outstanding become invalid.
   ~HostPool();
 
@@ -64,24 +74,42 @@ class HostPool {
 
   // Returns a kAlignment-aligned block of at least `bytes` bytes (bytes == 0
   // yields a distinct kMinChunk block), or nullptr with *error (if non-null)
-  // describing the request, the limit and the pool state. Never throws.
-  void* Allocate(uint64_t bytes, std::string* error);
+  // describing the request, the limit and the pool state. *pinned (if
+  // non-null) tells whether the block lies in a page-locked region; a region
+  // is never unpinned while a block of it is live, so the answer stays true
+  // for the block's lifetime. Never throws.
+  void* Allocate(uint64_t bytes, std::string* error, bool* pinned = nullptr);
   // False (and no effect) for pointers not returned by Allocate or already
   // freed.
   bool Deallocate(void* ptr);
   // Rounded size of a live block; 0 if ptr is not the start of a live block.
   uint64_t AllocatedSize(const void* ptr) const;
+  // Whether the live block at ptr lies in a page-locked region.
+  bool BlockPinned(const void* ptr) const;
   // A limit below the current reservation only blocks further growth.
   void SetLimit(uint64_t limit_bytes);
+  // Regions are pinned only while the pinned bytes stay within this cap;
+  // lowering it unpins nothing, it only keeps further regions pageable.
+  void SetPinLimit(uint64_t pin_limit_bytes);
   // Unmaps every region that is entirely free; returns the bytes released.
   size_t Trim();
   HostPoolStats GetStats() const;
   // Peaks restart from the current values.
   void ResetPeak();
-  // Pins every region, present and future, with `hooks`, and unpins each
-  // before it is unmapped. A region the hook refuses stays pageable (and is
-  // counted in pin_failures): allocations never fail for want of pinning.
+  // Pins every region, present and future, with `hooks` while the pinned
+  // bytes stay within the pin limit, and unpins each region, with the hooks
+  // that pinned it, before it is unmapped. A region the hook refuses stays
+  // pageable (counted in pin_failures), so does one beyond the cap (counted
+  // in pin_over_limit): allocations never fail for want of pinning. Empty
+  // hooks stop pinning new regions. The hooks run outside the pool's mutex.
   void SetPinHooks(PinHooks hooks);
+
+  // Default pin cap: min(64 GiB, physical memory / 4). 64 GiB is the default
+  // of TensorFlow's own pinned host allocator (TF_GPU_HOST_MEM_LIMIT_IN_MB in
+  // GPUProcessState::GetGpuHostAllocator); a quarter of RAM keeps sntf's
+  // locked pages, added to TensorFlow's own, well clear of the machine's
+  // memory on hosts where 64 GiB is most of it.
+  static uint64_t DefaultPinLimit();
 
  private:
   struct Chunk {
@@ -89,42 +117,79 @@ class HostPool {
     uintptr_t region;  // base address of the owning region
     bool in_use;
   };
+  struct Region {
+    uint64_t size = 0;
+    bool pinned = false;
+    bool pinning = false;  // a hook runs on it outside the lock: keep mapped
+    std::shared_ptr<const PinHooks> pinned_by;  // unpins it
+  };
+  // A region being mapped (and maybe pinned) outside the lock. Its bytes are
+  // reserved against the limits while that happens.
+  struct Growth {
+    uint64_t rounded = 0;
+    uint64_t size = 0;      // what is mapped (may shrink to `rounded`)
+    uint64_t reserved = 0;  // what the plan reserved against the limits
+    std::shared_ptr<const PinHooks> pin_with;  // null: stays pageable
+    uintptr_t base = 0;
+    bool pinned = false;
+    int error = 0;  // errno of a failed mmap
+  };
+  // A region taken out of the pool, to unpin and unmap outside the lock.
+  struct Released {
+    uintptr_t base;
+    uint64_t size;
+    std::shared_ptr<const PinHooks> pinned_by;
+  };
   // Keyed by address, so neighbours in a region are adjacent map entries.
   using ChunkMap = std::map<uintptr_t, Chunk>;
   // (size, address): begin-most entry >= (n, 0) is the best fit, ties going
   // to the lowest address.
   using FreeIndex = std::set<std::pair<uint64_t, uintptr_t>>;
 
-  // *failure / the int result: 0 when served, else a reason code (see .cc).
-  void* AllocateLocked(uint64_t rounded, int* failure);
+  // Each returns a block or nullptr with *failure set (0: served, else a
+  // reason code, see .cc). The lock is held by the caller.
+  void* TakeFitLocked(uint64_t rounded, bool* pinned);
+  int PlanGrowthLocked(uint64_t rounded, Growth* growth);
+  void* FinishGrowthLocked(Growth* growth, int* failure, bool* pinned);
+  void ReleaseReservationLocked(const Growth& growth);
+  // Outside the lock.
+  static void MapAndPin(Growth* growth);
+  static void UnpinAndUnmap(const Released& region);
+
   ChunkMap::iterator FindBestFit(uint64_t rounded);
-  int GrowLocked(uint64_t rounded);
   uint64_t NextRegionSize(uint64_t rounded) const;
+  bool PinFitsLocked(uint64_t bytes) const;
   void TakeChunk(ChunkMap::iterator it, uint64_t rounded);
   void ReleaseChunk(ChunkMap::iterator it);
   ChunkMap::iterator FreeNeighbour(ChunkMap::iterator it, bool next);
   std::string FailureMessage(int failure, uint64_t bytes,
                              uint64_t rounded) const;
+  void* Fail(int failure, uint64_t bytes, uint64_t rounded,
+             std::string* error);
   uint64_t LargestFreeLocked() const;
   void NoteUsage();
-  void PinLocked(uintptr_t base, uint64_t bytes);
-  void UnmapLocked(uintptr_t base, uint64_t bytes);
+  std::vector<uintptr_t> ClaimUnpinnedLocked(
+      const std::shared_ptr<const PinHooks>& hooks);
 
   mutable std::mutex mu_;
   uint64_t limit_bytes_;
   uint64_t initial_region_bytes_;
+  uint64_t pin_limit_bytes_;
   uint64_t last_region_bytes_ = 0;  // growth doubles from here
-  std::map<uintptr_t, uint64_t> regions_;  // base -> size
+  uint64_t pending_bytes_ = 0;      // regions being mapped outside the lock
+  uint64_t pending_pin_bytes_ = 0;  // regions being pinned outside the lock
+  std::map<uintptr_t, Region> regions_;  // by base address
   ChunkMap chunks_;
   FreeIndex free_;
   HostPoolStats stats_;  // counters only; derived fields filled by GetStats
-  PinHooks hooks_;
-  std::set<uintptr_t> pinned_;  // region bases the pin hook accepted
+  std::shared_ptr<const PinHooks> hooks_;  // null: no pinning
 };
 
 // Process-wide pool, created on first use and never destroyed so that
 // tensors released during process exit still have a live pool. Its limit is
-// the machine's physical memory unless SNTF_HOST_POOL_LIMIT (bytes) is set.
+// the machine's physical memory unless SNTF_HOST_POOL_LIMIT (bytes) is set;
+// its pin cap is HostPool::DefaultPinLimit() unless SNTF_HOST_PIN_LIMIT
+// (bytes) is set.
 HostPool& GlobalHostPool();
 
 }  // namespace sntf

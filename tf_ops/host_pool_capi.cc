@@ -6,6 +6,7 @@
 #include <cstring>
 #include <new>
 #include <string>
+#include <utility>
 
 #include "host_pool.h"
 
@@ -31,9 +32,16 @@ void CopyMessage(const std::string& message, char* out, uint64_t out_len) {
 
 extern "C" {
 
+// A pool with no pin cap (set one with sntf_pool_set_pin_limit); the global
+// pool's cap is HostPool::DefaultPinLimit().
 SNTF_POOL_API void* sntf_pool_new(uint64_t limit_bytes,
                                   uint64_t initial_region_bytes) {
-  return new (std::nothrow) sntf::HostPool(limit_bytes, initial_region_bytes);
+  try {
+    return new sntf::HostPool(limit_bytes, initial_region_bytes,
+                              ~uint64_t{0});
+  } catch (...) {
+    return nullptr;
+  }
 }
 
 SNTF_POOL_API void sntf_pool_delete(void* pool) {
@@ -108,6 +116,25 @@ SNTF_POOL_API uint64_t sntf_pool_trim(void* pool) {
   }
 }
 
+SNTF_POOL_API void sntf_pool_set_pin_limit(void* pool,
+                                           uint64_t pin_limit_bytes) {
+  if (pool == nullptr) return;
+  try {
+    AsPool(pool)->SetPinLimit(pin_limit_bytes);
+  } catch (...) {
+  }
+}
+
+// 1 when the live block at ptr lies in a page-locked region, else 0.
+SNTF_POOL_API int sntf_pool_block_pinned(void* pool, void* ptr) {
+  if (pool == nullptr) return 0;
+  try {
+    return AsPool(pool)->BlockPinned(ptr) ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
 SNTF_POOL_API void sntf_pool_reset_peak(void* pool) {
   if (pool == nullptr) return;
   try {
@@ -127,6 +154,7 @@ SNTF_POOL_API int sntf_pool_stats(void* pool, uint64_t* out, int n) {
         s.num_frees,          s.active_allocs,     s.num_failed_allocs,
         s.largest_free_block, s.free_bytes,        s.num_regions,
         s.pinned_regions,     s.pinned_bytes,      s.pin_failures,
+        s.pin_limit_bytes,    s.pin_over_limit,
     };
     const int count = static_cast<int>(sizeof(values) / sizeof(values[0]));
     const int written = n < count ? n : count;
@@ -137,15 +165,19 @@ SNTF_POOL_API int sntf_pool_stats(void* pool, uint64_t* out, int n) {
   }
 }
 
-// Installs page-locking hooks (see sntf::PinHooks); null pointers remove them.
+// Installs page-locking hooks (see sntf::PinHooks); a null pin stops
+// pinning new regions (those pinned stay so until trimmed).
 SNTF_POOL_API void sntf_pool_set_pin_hooks(void* pool,
                                            int (*pin)(void*, uint64_t),
                                            void (*unpin)(void*)) {
   if (pool == nullptr) return;
-  sntf::PinHooks hooks;
-  hooks.pin = pin;
-  hooks.unpin = unpin;
-  AsPool(pool)->SetPinHooks(hooks);
+  try {
+    sntf::PinHooks hooks;
+    if (pin != nullptr) hooks.pin = pin;
+    if (unpin != nullptr) hooks.unpin = unpin;
+    AsPool(pool)->SetPinHooks(std::move(hooks));
+  } catch (...) {
+  }
 }
 
 SNTF_POOL_API double sntf_pool_fragmentation(void* pool) {

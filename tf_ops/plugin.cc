@@ -288,6 +288,7 @@ std::string ThisLibraryPath();
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <sys/auxv.h>
 #include <unistd.h>
 
 namespace sntf {
@@ -301,13 +302,32 @@ std::string ThisLibraryPath() {
   return info.dli_fname;
 }
 
-// The marker holds "<pid>:<library path>". The pid matters because a child
-// started with exec inherits the environment but not the registration.
+// What identifies this process image: the pid, and the 16 random bytes the
+// kernel hands every exec (AT_RANDOM in the auxiliary vector). exec keeps
+// the pid and the environment but drops TensorFlow's optimizer registry, so
+// a marker left by the image before exec must not count; every library
+// loaded in one image sees the same bytes, and a fork()ed child inherits
+// them along with the registry.
+std::string ImagePrefix() {
+  std::string prefix = std::to_string(static_cast<long>(getpid())) + ":";
+  const auto* random =
+      reinterpret_cast<const unsigned char*>(getauxval(AT_RANDOM));
+  if (random != nullptr) {
+    static const char kHex[] = "0123456789abcdef";
+    for (int i = 0; i < 16; ++i) {
+      prefix += kHex[random[i] >> 4];
+      prefix += kHex[random[i] & 0xf];
+    }
+  }
+  return prefix + ":";
+}
+
+// The marker holds "<pid>:<exec token>:<library path>".
 std::string RegisteredOwner() {
   const char* value = std::getenv(kRegisteredEnv);
   if (value == nullptr) return "";
   std::string marker(value);
-  std::string prefix = std::to_string(static_cast<long>(getpid())) + ":";
+  const std::string prefix = ImagePrefix();
   if (marker.compare(0, prefix.size(), prefix) != 0) return "";
   return marker.substr(prefix.size());
 }
@@ -323,8 +343,7 @@ std::string NextInactiveDeviceType() {
 }
 
 void WriteMarker() {
-  std::string marker =
-      std::to_string(static_cast<long>(getpid())) + ":" + ThisLibraryPath();
+  const std::string marker = ImagePrefix() + ThisLibraryPath();
   setenv(kRegisteredEnv, marker.c_str(), 1);
 }
 
@@ -332,7 +351,8 @@ void MarkRegistered() {
   WriteMarker();
   // A fork()ed child inherits TensorFlow's optimizer registry with the
   // parent's memory, so it is registered too: re-stamp the marker with the
-  // child's pid. (After exec the registry is gone, and so is the match.)
+  // child's pid. (After exec the registry is gone, and the exec token no
+  // longer matches, even when the pid does.)
   pthread_atfork(nullptr, nullptr, WriteMarker);
 }
 }  // namespace

@@ -1,9 +1,10 @@
 """Locates and loads sntf's compiled libraries.
 
-`_sntf_ops*.so` holds the SnSwapOut/SnSwapIn ops and the host tensor pool; it
-is loaded once with tf.load_op_library (which registers the ops) and opened a
-second time with ctypes for the pool's C API (dlopen returns the same handle,
-so both views share one pool). `_plugin*.so` is the Grappler plugin shim.
+`_sntf_ops*.so` holds the ops (SnSwapOut/SnSwapIn, SnCacheOut/SnCacheIn,
+SnDeviceBytesLimit, SnTensorMemoryType) and the host tensor pool; it is loaded
+once with tf.load_op_library (which registers the ops) and opened a second
+time with ctypes for the pool's C API (dlopen returns the same handle, so both
+views share one pool). `_plugin*.so` is the Grappler plugin shim.
 """
 
 from __future__ import annotations
@@ -18,17 +19,27 @@ from typing import Any, Optional
 # and sntf._plugin).
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _lock = threading.Lock()
-_ops_module: Any = None
-_ops_cdll: Optional[ctypes.CDLL] = None
+# The loaded libraries, kept in a mutable object rather than rebound globals:
+# AutoGraph converts functions called from a tf.function (ops.swap_out, then
+# load_ops) and runs the converted code against a copy of the module's
+# globals, where rebinding a global would be lost.
+_loaded: dict = {"module": None, "cdll": None}
 
 POOL_STAT_NAMES = ("bytes_in_use", "peak_bytes_in_use", "bytes_reserved",
                    "peak_bytes_reserved", "limit_bytes", "num_allocs",
                    "num_frees", "active_allocs", "num_failed_allocs",
                    "largest_free_block", "free_bytes", "num_regions",
-                   "pinned_regions", "pinned_bytes", "pin_failures")
+                   "pinned_regions", "pinned_bytes", "pin_failures",
+                   "pin_limit_bytes", "pin_over_limit")
 SWAP_STAT_NAMES = ("swap_out_ops", "swap_in_ops", "bytes_to_host",
                    "bytes_to_device", "failed_ops", "cache_hits", "cache_misses",
-                   "cache_evictions", "cache_no_stats", "pool_fallbacks")
+                   "cache_evictions", "cache_no_stats", "pool_fallbacks",
+                   "host_memory_passthrough")
+TEST_COPIER_STAT_NAMES = ("issued", "completed", "failed", "in_flight",
+                          "max_in_flight")
+# Kernel label of the test-only CPU kernels that copy like a device: on
+# another thread, after a delay (see set_async_test_copier).
+ASYNC_TEST_LABEL = "sntf_async_test"
 
 
 # Page-locking hooks of the host pool (int pin(void*, uint64), void unpin(void*)).
@@ -57,7 +68,9 @@ def plugin_library_path() -> str:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
+    """Declares the C API's signatures, so ctypes converts arguments exactly."""
     u64, vp, ptr64 = ctypes.c_uint64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)
+    i64 = ctypes.c_int64
     signatures = {
         "sntf_pool_new": (vp, [u64, u64]),
         "sntf_pool_delete": (None, [vp]),
@@ -71,6 +84,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sntf_pool_stats": (ctypes.c_int, [vp, ptr64, ctypes.c_int]),
         "sntf_pool_fragmentation": (ctypes.c_double, [vp]),
         "sntf_pool_set_pin_hooks": (None, [vp, PIN_FN, UNPIN_FN]),
+        "sntf_pool_set_pin_limit": (None, [vp, u64]),
+        "sntf_pool_block_pinned": (ctypes.c_int, [vp, vp]),
+        "sntf_pool_pin_with_cuda_runtime": (ctypes.c_int, [vp, ctypes.c_char_p, u64]),
+        "sntf_test_copier_configure": (None, [i64, i64]),
+        "sntf_test_copier_stats": (ctypes.c_int, [ptr64, ctypes.c_int]),
         "sntf_gpu_pinning": (ctypes.c_int, []),
         "sntf_swap_stats": (ctypes.c_int, [ptr64, ctypes.c_int]),
         "sntf_cache_clear": (ctypes.c_int64, []),
@@ -84,9 +102,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def load_ops() -> Any:
     """Loads the op library once; returns the tf.load_op_library module."""
-    global _ops_module, _ops_cdll
     with _lock:
-        if _ops_module is None:
+        if _loaded["module"] is None:
             import tensorflow as tf
 
             path = ops_library_path()
@@ -98,18 +115,17 @@ def load_ops() -> Any:
                     f"sntf: {path} was opened before TensorFlow loaded it as an "
                     "op library, so its ops have no Python wrappers; call "
                     "sntf.runtime.native.load_ops() before opening it with ctypes")
-            _ops_module = module
             lib = ctypes.CDLL(path)
             _declare(lib)
-            _ops_cdll = lib
-    return _ops_module
+            _loaded["cdll"] = lib
+            _loaded["module"] = module
+    return _loaded["module"]
 
 
 def ops_cdll() -> ctypes.CDLL:
     """The op library opened with ctypes (loaded through load_ops first)."""
     load_ops()
-    assert _ops_cdll is not None
-    return _ops_cdll
+    return _loaded["cdll"]
 
 
 def pool_stats(pool: Optional[int] = None) -> dict:
@@ -148,3 +164,80 @@ def set_host_pool_limit(limit_bytes: int) -> None:
     """Sets the byte limit of the global host pool."""
     lib = ops_cdll()
     lib.sntf_pool_set_limit(lib.sntf_pool_global(), int(limit_bytes))
+
+
+def set_host_pin_limit(limit_bytes: int) -> None:
+    """Caps the bytes of the global host pool that may be page-locked.
+
+    Regions mapped beyond the cap stay pageable (TensorFlow then stages their
+    copies); lowering it unpins nothing already pinned.
+
+    Args:
+      limit_bytes: the cap in bytes (the default is min(64 GiB, a quarter of
+        physical memory), or SNTF_HOST_PIN_LIMIT).
+    """
+    lib = ops_cdll()
+    lib.sntf_pool_set_pin_limit(lib.sntf_pool_global(), int(limit_bytes))
+
+
+def device_bytes_limit(device: str) -> Optional[int]:
+    """The byte limit of a device's TensorFlow allocator.
+
+    Reads Allocator::GetStats().bytes_limit of the allocator TensorFlow uses
+    for `device`: on a GPU what its BFC allocator may hand out (after
+    memory_limit or a logical-device configuration), on CPU the limit of the
+    BFC allocator under TF_CPU_ALLOCATOR_USE_BFC=true with
+    TF_CPU_BFC_MEM_LIMIT_IN_MB. tf.config.experimental.get_memory_info gives
+    no limit, and device_lib.list_local_devices creates devices anew.
+
+    It runs a small op eagerly on `device`, so call it outside Grappler's
+    graph pass (e.g. when sntf is enabled) and keep the answer.
+
+    Args:
+      device: a device name such as "GPU:0", "/device:CPU:0" or
+        "/job:localhost/replica:0/task:0/device:GPU:1".
+
+    Returns:
+      The limit in bytes; None when the device does not exist in this
+      process or its allocator reports no limit.
+
+    Raises:
+      ValueError: `device` does not name a device type.
+    """
+    import tensorflow as tf
+
+    spec = tf.DeviceSpec.from_string(device) if isinstance(device, str) else None
+    if spec is None or not spec.device_type:
+        raise ValueError(f"device must name a device such as 'GPU:0' or "
+                         f"'CPU:0', got {device!r}")
+    wanted = (spec.device_type.upper(), spec.device_index or 0)
+    module = load_ops()
+    with tf.init_scope(), tf.device(f"/device:{wanted[0]}:{wanted[1]}"):
+        limit = module.sn_device_bytes_limit()
+    # Soft placement moves an op asked for an absent device elsewhere, so
+    # trust only an answer from the device asked for.
+    ran_on = tf.DeviceSpec.from_string(limit.device)
+    if (ran_on.device_type, ran_on.device_index) != wanted:
+        return None
+    value = int(limit.numpy())
+    return None if value < 0 else value
+
+
+def set_async_test_copier(delay_seconds: float = 0.02, fail_next: int = 0) -> None:
+    """Configures the copier of the "sntf_async_test" kernels (tests only).
+
+    Args:
+      delay_seconds: how long after issue each copy completes (copies issued
+        from now on; they still complete in issue order).
+      fail_next: how many of the next copies fail with an Internal error.
+    """
+    ops_cdll().sntf_test_copier_configure(int(delay_seconds * 1e6), int(fail_next))
+
+
+def async_test_copier_stats() -> dict:
+    """Counters of the test copier: issued, completed, failed, in_flight,
+    max_in_flight (the most copies in flight at once)."""
+    lib = ops_cdll()
+    values = (ctypes.c_uint64 * len(TEST_COPIER_STAT_NAMES))()
+    n = lib.sntf_test_copier_stats(values, len(TEST_COPIER_STAT_NAMES))
+    return {name: int(values[i]) for i, name in enumerate(TEST_COPIER_STAT_NAMES[:n])}
