@@ -55,8 +55,10 @@ def test_parked_tensors_report_pinned_or_pageable_memory(fresh_python, stub_cuda
     stub CUDA runtime; beyond the pin cap regions stay pageable."""
     r = fresh_python(MEMORY_TYPES, env={"SNTF_CUDART_LIBRARY": stub_cudart}).result()
     assert r["pinning"] == 1
-    assert (r["small"], r["big"], r["source"]) == ("host_pinned", "host_pageable",
-                                                    "host_pageable")
+    assert (r["small"], r["big"]) == ("host_pinned", "host_pageable")
+    # TensorFlow's own CPU memory is never pinned (its oneDNN allocator does
+    # not say which it is: "unknown").
+    assert r["source"] in ("host_pageable", "unknown"), r["source"]
     assert r["back"]
     assert r["pool"]["pinned_regions"] == 1 and r["pool"]["pin_over_limit"] == 1
 
@@ -106,7 +108,7 @@ EXEC_SELF = """
 import json, os, sys
 import tensorflow as tf
 import sntf
-from sntf import plugin
+from sntf.runtime import plugin
 
 stage = sys.argv[1]
 sntf.enable(policy="off")
