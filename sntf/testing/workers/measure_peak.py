@@ -2,9 +2,10 @@
 
     python measure_peak.py --family resnet --batch 64 [--steps 2] [--depth N]
                            [--policy off|none] [--executor default|single]
-                           [--out result.json]
+                           [--settings lab|user] [--out result.json]
 
-Trains one model of `sntf.models` for `steps` steps with `model.fit` on
+Trains one model of `sntf.models` (or, as --family zoo:NAME, of
+sntf.testing.zoo) for `steps` steps with `model.fit` on
 exactly steps*batch samples (one trace, no partial batch) and prints one line
 
     RESULT {"family": ..., "measured_peak_bytes": ..., ...}
@@ -14,11 +15,14 @@ process: the Grappler plugin cannot be unloaded and the CPU allocator's peak
 cannot be reset (docs/tensorflow.md). From Python, `measure(...)` runs this
 script in a subprocess and returns the dict.
 
-Measurement set-up, made before TensorFlow is imported:
+Measurement set-up, made before TensorFlow is imported (--settings lab):
   TF_ENABLE_ONEDNN_OPTS=0, TF_CPU_ALLOCATOR_USE_BFC=true  (the default oneDNN
       CPU allocator does not count small allocations; the BFC one counts all)
   TF_CPP_MIN_LOG_LEVEL=2
-and then one inter-op thread and op determinism. One inter-op thread makes
+and then one inter-op thread and op determinism. --settings user measures as
+users run: oneDNN on (TensorFlow's default on CPUs with AVX-512 VNNI, BF16 or
+AMX) and TensorFlow's default inter-op thread pool, still with the BFC
+allocator, whose statistics count every allocation. One inter-op thread makes
 the peak repeatable only approximately: the graphs are identical from run to
 run, but the executor still runs ops on the calling thread and the pool thread,
 and Keras' tf.data pipeline allocates from other threads, so identical runs
@@ -40,6 +44,9 @@ Result keys:
                         also traces and optimizes the graph); the first
                         step's time when steps == 1
   first_step_seconds, fit_seconds, losses
+  weights_sha256        a digest of every weight's bytes after fit (identical
+                        training gives the identical digest)
+  settings              "lab" or "user"
   step_peaks_bytes      the process peak after each step (a running max)
   training_reports      one dict per sntf training report: graph, nodes,
                         predicted_peak_bytes, lower_bound_bytes,
@@ -72,6 +79,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 
 MEASURE_ENV = {"TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPU_ALLOCATOR_USE_BFC": "true",
                "TF_CPP_MIN_LOG_LEVEL": "2"}
+# --settings: "lab" (oneDNN off, one inter-op thread) or "user" (oneDNN on,
+# the default inter-op pool).
+SETTINGS = {"lab": MEASURE_ENV,
+            "user": dict(MEASURE_ENV, TF_ENABLE_ONEDNN_OPTS="1")}
 
 
 def _parser():
@@ -96,46 +107,88 @@ def _parser():
     parser.add_argument("--remat", default=None, choices=("remat_scope", "recompute_grad"),
                         help="the user's alternative (changes the model code): "
                         "keras.RematScope(mode='full') or tf.recompute_grad per block")
+    parser.add_argument("--settings", default="lab", choices=tuple(SETTINGS),
+                        help="lab: oneDNN off, one inter-op thread; user: oneDNN "
+                        "on, TensorFlow's default inter-op pool")
     parser.add_argument("--eager", action="store_true",
                         help="compile(run_eagerly=True): no graph, so no sntf pass")
     parser.add_argument("--out", default=None)
     return parser
 
 
-def _models_without_sntf():
-    """sntf/models.py loaded by path, so that the baseline never imports the
-    sntf package (whose import would honour SNTF_POLICY)."""
+def _models_without_sntf(zoo: bool = False):
+    """sntf/models.py (or sntf/testing/zoo.py) loaded by path, so that the
+    baseline never imports the sntf package (whose import would honour
+    SNTF_POLICY)."""
     import importlib.util
 
+    path = (os.path.join(REPO, "sntf", "testing", "zoo.py") if zoo
+            else os.path.join(REPO, "sntf", "models.py"))
     spec = importlib.util.spec_from_file_location(
-        "_sntf_models_standalone", os.path.join(REPO, "sntf", "models.py"))
+        f"_sntf_{'zoo' if zoo else 'models'}_standalone", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+class _Zoo:
+    """sntf.testing.zoo behind the interface of sntf.models."""
+
+    def __init__(self, module, name: str):
+        self.module, self.name = module, name
+
+    def build(self, family, depth=None, remat=None, run_eagerly=False):
+        return self.module.build(self.name)
+
+    def make_data(self, family, n, seed=0):
+        return self.module.make_data(self.name, n, seed=seed)
+
+    def default_depth(self, family):
+        return None
+
+
+def _model_source(args, with_sntf: bool):
+    """The module that builds args.family (sntf.models or a zoo entry)."""
+    zoo = args.family.startswith("zoo:")
+    if not with_sntf:
+        module = _models_without_sntf(zoo)
+    elif zoo:
+        from sntf.testing import zoo as module
+    else:
+        from sntf import models as module
+    return _Zoo(module, args.family[len("zoo:"):]) if zoo else module
+
+
+def _weights_digest(model, np) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for w in model.get_weights():
+        digest.update(np.ascontiguousarray(w).tobytes())
+    return digest.hexdigest()
+
+
 def _run(args):
     """The child's work; TensorFlow is imported here, after the environment is set."""
-    os.environ.update(MEASURE_ENV)
+    os.environ.update(SETTINGS[args.settings])
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     import numpy as np
     import tensorflow as tf
 
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    if args.settings == "lab":
+        tf.config.threading.set_inter_op_parallelism_threads(1)
     tf.config.experimental.enable_op_determinism()
     import keras
 
     sntf = None
     if args.policy != "none":
         import sntf
-        from sntf import models
 
         options = {"recompute_mode": args.recompute_mode} if args.recompute_mode else {}
         budget = int(args.budget) if args.budget and args.budget.isdigit() else args.budget
         sntf.enable(policy=args.policy, budget=budget, batch_size=args.batch, **options)
-    else:
-        models = _models_without_sntf()
+    models = _model_source(args, sntf is not None)
     device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
     keras.utils.set_random_seed(args.seed)
     model = models.build(args.family, args.depth, remat=args.remat,
@@ -161,7 +214,8 @@ def _run(args):
         "seconds_per_step": later[len(later) // 2] if later else None,
         "first_step_seconds": times[0] if times else None,
         "fit_seconds": fitted["seconds"], "losses": fitted["losses"],
-        "step_peaks_bytes": fitted["step_peaks"],
+        "step_peaks_bytes": fitted["step_peaks"], "settings": args.settings,
+        "weights_sha256": _weights_digest(model, np),
     }
     result.update(_sntf_fields(sntf))
     return result
@@ -258,7 +312,8 @@ def main(argv=None):
 
 def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
             timeout=900, repeats=1, executor="default", input="dataset",
-            recompute_mode=None, remat=None, budget=None, eager=False):
+            recompute_mode=None, remat=None, budget=None, eager=False,
+            settings="lab"):
     """Runs this worker in a fresh Python process (sys.executable) and returns
     its result dict, with wall_seconds added.
 
@@ -280,7 +335,7 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
         runs = [measure(family, batch, steps, policy, depth, seed, timeout,
                         executor=executor, input=input,
                         recompute_mode=recompute_mode, remat=remat, budget=budget,
-                        eager=eager)
+                        eager=eager, settings=settings)
                 for _ in range(repeats)]
         peaks = [r["measured_peak_bytes"] for r in runs]
         chosen = dict(sorted(runs, key=lambda r: r["measured_peak_bytes"])[len(runs) // 2])
@@ -295,7 +350,8 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
         return chosen
     command = [sys.executable, os.path.abspath(__file__), "--family", family,
                "--batch", str(batch), "--steps", str(steps), "--policy", policy,
-               "--seed", str(seed), "--executor", executor, "--input", input]
+               "--seed", str(seed), "--executor", executor, "--input", input,
+               "--settings", settings]
     if depth is not None:
         command += ["--depth", str(depth)]
     if recompute_mode is not None:
@@ -307,7 +363,7 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
     if eager:
         command += ["--eager"]
     env = dict(os.environ)
-    env.update(MEASURE_ENV)
+    env.update(SETTINGS[settings])
     for name in ("SNTF_POLICY", "SNTF_BUDGET"):  # the worker decides the policy
         env.pop(name, None)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
@@ -326,7 +382,7 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
 
 
 if __name__ == "__main__":
-    # Before anything can import TensorFlow.
+    # Before anything can import TensorFlow (_run sets --settings' values).
     os.environ.update(MEASURE_ENV)
     for _name in ("SNTF_POLICY", "SNTF_BUDGET"):  # the worker decides the policy
         os.environ.pop(_name, None)
