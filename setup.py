@@ -11,8 +11,14 @@ install without build isolation:
                         tensor pool, loaded with tf.load_op_library;
   * sntf/_plugin*.so    the Grappler plugin shim: a pybind11 module that also
                         exports TF_InitGraph and links libtensorflow_cc.so.2.
+
+It also installs sntf-startup.pth into site-packages, a one-line startup
+hook (see sntf_startup.py) that makes `SNTF_BUDGET=12GB python train.py`
+work without `import sntf`: for a wheel, an editable install and the legacy
+`setup.py develop` alike.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -20,9 +26,29 @@ import sysconfig
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+from setuptools.command.develop import develop
 
 TF_REQUIREMENT = "tensorflow>=2.21,<2.22"
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _startup_hook():
+    """(file name, contents) of the startup .pth, from sntf_startup.py."""
+    spec = importlib.util.spec_from_file_location(
+        "sntf_startup", os.path.join(HERE, "sntf_startup.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PTH_NAME, module.PTH_LINE
+
+
+def _write_startup_hook(folder):
+    name, line = _startup_hook()
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(line)
+    return path
 
 
 def _tensorflow_flags():
@@ -75,11 +101,53 @@ class BuildNative(build_ext):
         subprocess.check_call(command)
 
 
+class BuildPyWithStartupHook(build_py):
+    """A wheel carries the .pth at its root, which lands in site-packages."""
+
+    def run(self):
+        super().run()
+        _write_startup_hook(self.build_lib)
+
+    def get_outputs(self, include_bytecode=1):
+        name, _ = _startup_hook()
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, name)]
+
+
+class DevelopWithStartupHook(develop):
+    """`pip install -e .` through the legacy develop command (no
+    pyproject.toml, as here): the .pth goes next to sntf's egg-link."""
+
+    def run(self):
+        super().run()
+        if not self.uninstall:
+            _write_startup_hook(self.install_dir)
+
+
+COMMANDS = {"build_ext": BuildNative, "build_py": BuildPyWithStartupHook,
+            "develop": DevelopWithStartupHook}
+try:  # PEP 660 editable installs (setuptools >= 64, a newer pip)
+    from setuptools.command.editable_wheel import editable_wheel
+
+    class EditableWheelWithStartupHook(editable_wheel):
+        """Editable wheels carry the .pth at their root too."""
+
+        def _run_build_commands(self, dist_name, unpacked_wheel, build_lib, tmp_dir):
+            result = super()._run_build_commands(dist_name, unpacked_wheel, build_lib,
+                                                 tmp_dir)
+            _write_startup_hook(str(unpacked_wheel))
+            return result
+
+    COMMANDS["editable_wheel"] = EditableWheelWithStartupHook
+except ImportError:
+    pass
+
+
 setup(
     name="sntf",
     version="0.1.0",
     description="Superneurons-style memory management for TensorFlow 2",
     packages=find_packages(include=["sntf", "sntf.*"]),
+    py_modules=["sntf_startup"],
     python_requires=">=3.10",
     install_requires=[TF_REQUIREMENT, "numpy", "absl-py"],
     ext_modules=[
@@ -93,6 +161,6 @@ setup(
             kind="ops"),
         NativeExtension("sntf._plugin", ["tf_ops/plugin.cc"], kind="plugin"),
     ],
-    cmdclass={"build_ext": BuildNative},
+    cmdclass=COMMANDS,
     zip_safe=False,
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 import re
 import threading
@@ -23,14 +24,25 @@ ENV_HOST_POOL_LIMIT = "SNTF_HOST_POOL_LIMIT"
 _DECIMAL_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                   "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)"
+                      r"\s*([a-zA-Z]*)\s*$")
 _PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
-BUDGET_FORMS = ("a positive number of bytes (int, e.g. 12000000000), "
+# Byte counts travel to TensorFlow and the host pool as int64.
+MAX_BYTES = 2**63 - 1
+# A training step needs more than this; a smaller budget is almost always a
+# fraction or a unit gone missing.
+MIN_BUDGET_BYTES = 1 << 20
+# Each report is kept in memory (with its graphs under keep_graphs=True).
+MAX_REPORTS = 1_000_000
+
+BUDGET_FORMS = ("a number of bytes of at least 1 MiB (an int such as 12000000000, "
+                "or a float above 1 such as 8e9), "
                 "a size string such as '12GB', '512MiB' or '1.5GiB', "
-                "a fraction of device memory in (0, 1] (float, e.g. 0.5, or '50%'), "
+                "a fraction of device memory in (0, 1] (a float such as 0.5, or '50%'), "
                 "'auto' (the GPU's memory on a GPU; no budget on CPU), "
                 "or None for no budget")
+SIZE_UNITS = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,17 +71,123 @@ class Budget:
         return int(round(self.fraction * device_memory_bytes))
 
     def describe(self) -> str:
+        """The budget in words, e.g. "67108864 bytes (64.0 MiB)"."""
         if self.bytes is not None:
-            return f"{self.bytes} bytes"
+            return f"{self.bytes} bytes ({self.bytes / 2**20:.1f} MiB)"
         if self.auto:
             return "auto (the GPU's memory; none on CPU)"
         return f"{self.fraction:g} of device memory"
 
-    def to_user(self):
+    def to_user(self) -> Union[int, float, str]:
         """The value to hand back to sntf.enable(budget=...)."""
         if self.bytes is not None:
             return self.bytes
         return "auto" if self.auto else self.fraction
+
+
+class _Invalid(Exception):
+    """Why a value is not accepted; the caller names the argument."""
+
+
+def _is_bool(value: Any) -> bool:
+    """A Python or numpy bool (numpy names its type bool_ or bool)."""
+    return isinstance(value, bool) or type(value).__name__ in ("bool", "bool_")
+
+
+def _number(value: Any) -> Union[int, float, None]:
+    """A Python or numpy number as an int (integral types) or a float (other
+    real types); None for anything else, bools included."""
+    if _is_bool(value):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return None
+
+
+def _split_size(text: str) -> tuple[Union[int, float], bool]:
+    """("12GB" -> 12 * 10**9, True), ("0.5" -> 0.5, False): the number of
+    bytes a size string gives (unscaled when it has no unit) and whether it
+    had a unit. Integers stay exact; a float too large to represent is inf.
+
+    Raises:
+      _Invalid: the text is not a number with an optional unit.
+    """
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise _Invalid("not a number with an optional unit")
+    number, unit = match.group(1), match.group(2).lower()
+    scale = 1
+    if unit:
+        scale = _DECIMAL_UNITS.get(unit) or _BINARY_UNITS.get(unit)
+        if scale is None:
+            raise _Invalid(f"unknown unit {match.group(2)!r} (units: {SIZE_UNITS})")
+    if re.fullmatch(r"[+-]?[0-9]+", number):
+        return int(number) * scale, bool(unit)
+    try:
+        return float(number) * scale, bool(unit)
+    except OverflowError:
+        return math.inf, bool(unit)
+
+
+def _byte_count(number: Union[int, float], allow_zero: bool) -> int:
+    """A whole number of bytes from an int or a float (rounded).
+
+    Raises:
+      _Invalid: not finite, negative, zero (unless allowed), rounding to
+        zero, or beyond int64.
+    """
+    if isinstance(number, float):
+        if math.isnan(number):
+            raise _Invalid("not a number")
+        if number >= 2**63:
+            raise _Invalid(f"too large: at most 2**63-1 ({MAX_BYTES}) bytes")
+        if number < 0:
+            raise _Invalid("it must be zero or more" if allow_zero else
+                           "it must be positive")
+        rounded = int(round(number))
+        if rounded == 0 and number > 0 and not allow_zero:
+            raise _Invalid("it rounds to zero bytes")
+        number = rounded
+    if number < 0 or (number == 0 and not allow_zero):
+        raise _Invalid("it must be zero or more" if allow_zero else "it must be positive")
+    if number > MAX_BYTES:
+        raise _Invalid(f"too large: at most 2**63-1 ({MAX_BYTES}) bytes")
+    return number
+
+
+def parse_size(value: Any, what: str = "size", allow_zero: bool = False) -> int:
+    """Parses a byte count: a number or a string with an optional unit.
+
+    Args:
+      value: e.g. 1048576, 4e9, numpy.int64(4096), "1048576", "12GB",
+        "512MiB". A float is rounded to whole bytes.
+      what: the argument's name, used in error messages.
+      allow_zero: accept 0 (for thresholds).
+
+    Returns:
+      The number of bytes, a positive int (or 0 when allowed), below 2**63.
+
+    Raises:
+      ValueError: naming `what`, the value and the accepted forms.
+    """
+    if isinstance(value, str):
+        try:
+            number, _ = _split_size(value)
+        except _Invalid as e:
+            raise ValueError(f"sntf: invalid {what} {value!r}: {e}; expected a "
+                             f"number of bytes with an optional unit ({SIZE_UNITS}), "
+                             "e.g. '12GB' or '512MiB'") from None
+    else:
+        number = _number(value)
+        if number is None:
+            raise ValueError(f"sntf: invalid {what} {value!r}: expected a number "
+                             "of bytes or a string such as '12GB' or '512MiB'")
+    try:
+        return _byte_count(number, allow_zero)
+    except _Invalid as e:
+        raise ValueError(f"sntf: invalid {what} {value!r}: {e}") from None
 
 
 def _budget_error(value: Any, why: str) -> ValueError:
@@ -77,94 +195,92 @@ def _budget_error(value: Any, why: str) -> ValueError:
         f"sntf: invalid budget {value!r} ({why}); accepted forms: {BUDGET_FORMS}")
 
 
-def parse_size(value: Any, what: str = "size", allow_zero: bool = False) -> int:
-    """Parses a byte count given as an int or a string with an optional unit.
+def _fraction_budget(fraction: float, device_memory: Optional[int]) -> Budget:
+    if device_memory is not None:
+        resolved = Budget(fraction=fraction).resolve(device_memory)
+        if resolved < MIN_BUDGET_BYTES:
+            raise _Invalid(f"{fraction:g} of this device's {device_memory} bytes is "
+                           f"{resolved} bytes, below the smallest budget, 1 MiB")
+    return Budget(fraction=fraction)
 
-    Args:
-      value: e.g. 1048576, "1048576", "12GB", "512MiB".
-      what: the argument's name, used in error messages.
-      allow_zero: accept 0 (for thresholds).
 
-    Returns:
-      The number of bytes, a positive int (or 0 when allowed).
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"sntf: invalid {what} {value!r}: expected a positive "
-                         "number of bytes or a string such as '12GB' or '512MiB'")
-    if isinstance(value, int):
-        n = value
-    else:
-        match = _SIZE_RE.match(value)
-        unit = match.group(2).lower() if match else None
-        scale = _DECIMAL_UNITS.get(unit) or _BINARY_UNITS.get(unit) if unit else 1
-        if not match or scale is None:
-            raise ValueError(f"sntf: invalid {what} {value!r}: expected a number "
-                             "of bytes with an optional unit (B, KB, MB, GB, TB, "
-                             "KiB, MiB, GiB, TiB), e.g. '12GB' or '512MiB'")
-        number = float(match.group(1)) * scale
+def _bytes_budget(number: Union[int, float]) -> Budget:
+    n = _byte_count(number, allow_zero=False)
+    if n < MIN_BUDGET_BYTES:
+        raise _Invalid(f"{n} byte{'' if n == 1 else 's'} is below the smallest budget, 1 MiB "
+                       f"({MIN_BUDGET_BYTES} bytes); did you mean a fraction of "
+                       "device memory, such as 0.5 or '50%'?")
+    return Budget(bytes=n)
+
+
+def _numeric_budget(number: Union[int, float],
+                    device_memory: Optional[int]) -> Budget:
+    """An int is bytes; a float in (0, 1] a fraction, above 1 bytes."""
+    if isinstance(number, float):
         if not math.isfinite(number):
-            raise ValueError(f"sntf: invalid {what} {value!r}: the number is too "
-                             "large to be a byte count")
-        n = int(number)
-    if n < 0 or (n == 0 and not allow_zero):
-        raise ValueError(f"sntf: invalid {what} {value!r}: it must be "
-                         f"{'zero or more' if allow_zero else 'positive'}")
-    if n >= 2**63:
-        raise ValueError(f"sntf: invalid {what} {value!r}: at most 2**63-1 bytes")
-    return n
+            raise _Invalid("not a finite number")
+        if number <= 0:
+            raise _Invalid("it must be positive")
+        if number <= 1.0:
+            return _fraction_budget(number, device_memory)
+    return _bytes_budget(number)
 
 
-def parse_budget(value: Any) -> Optional[Budget]:
-    """Parses a user budget.
+def parse_budget(value: Any, device_memory: Optional[int] = None) -> Optional[Budget]:
+    """Parses a user budget; the same rules hold for every way one is given
+    (enable()'s argument, SNTF_BUDGET, the set_memory_budget() setter, the
+    tools' --budget flag).
 
     Args:
-      value: None, bytes (int), a size string ("12GB", "512MiB"), a fraction of
-        device memory in (0, 1] (float or numeric string), a percentage
-        string ("50%"), or "auto".
+      value: None; a number of bytes of at least 1 MiB (an int, a numpy
+        integer, or a float above 1, rounded); a fraction of device memory
+        in (0, 1] (a float, numpy floats included); a string holding any of
+        these, a size with a unit ("12GB", "512MiB") or a percentage
+        ("50%"); or "auto".
+      device_memory: the device's memory in bytes, when known: a fraction
+        must then come to at least 1 MiB of it.
 
     Returns:
       A Budget, or None for "no budget".
 
     Raises:
-      ValueError: naming the value and the accepted forms.
+      ValueError: naming the value, why it is refused and the accepted forms.
     """
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise _budget_error(value, "a bool is not a budget")
-    if isinstance(value, float):
-        if not math.isfinite(value) or not 0.0 < value <= 1.0:
-            raise _budget_error(value, "a float budget is a fraction of device "
-                                "memory and must lie in (0, 1]")
-        return Budget(fraction=float(value))
-    if isinstance(value, int):
-        if value <= 0:
-            raise _budget_error(value, "it must be positive")
-        return Budget(bytes=value)
-    if isinstance(value, str):
-        text = value.strip()
-        if text.lower() == "auto":
-            return Budget(auto=True)
-        percent = _PERCENT_RE.match(text)
-        if percent:
-            fraction = float(percent.group(1)) / 100.0
-            if not 0.0 < fraction <= 1.0:
-                raise _budget_error(value, "a percentage must lie in (0, 100]")
-            return Budget(fraction=fraction)
-        if re.fullmatch(r"[0-9]*\.[0-9]+", text):
-            fraction = float(text)
-            if not 0.0 < fraction <= 1.0:
-                raise _budget_error(value, "a fractional budget is a fraction of "
-                                    "device memory and must lie in (0, 1]")
-            return Budget(fraction=fraction)
-        try:
-            size = parse_size(text, "budget", allow_zero=True)
-        except ValueError:
-            raise _budget_error(value, "not a size, fraction or percentage") from None
-        if size == 0:
-            raise _budget_error(value, "it must be positive")
-        return Budget(bytes=size)
-    raise _budget_error(value, f"unsupported type {type(value).__name__}")
+    try:
+        if isinstance(value, str):
+            return _parse_budget_text(value.strip(), device_memory)
+        if _is_bool(value):
+            raise _Invalid("a bool is not a budget")
+        number = _number(value)
+        if number is None:
+            raise _Invalid(f"unsupported type {type(value).__name__}")
+        return _numeric_budget(number, device_memory)
+    except _Invalid as e:
+        raise _budget_error(value, str(e)) from None
+
+
+def _parse_budget_text(text: str, device_memory: Optional[int]) -> Budget:
+    if not text:
+        raise _Invalid("an empty string; pass None for no budget")
+    if text.lower() == "auto":
+        return Budget(auto=True)
+    percent = _PERCENT_RE.match(text)
+    if percent:
+        fraction = float(percent.group(1)) / 100.0
+        if not 0.0 < fraction <= 1.0:
+            raise _Invalid("a percentage must lie in (0, 100]")
+        return _fraction_budget(fraction, device_memory)
+    try:
+        number, has_unit = _split_size(text)
+    except _Invalid as e:
+        raise _Invalid(f"not a size, fraction or percentage: {e}") from None
+    if number == math.inf:
+        raise _Invalid(f"too large: at most 2**63-1 ({MAX_BYTES}) bytes")
+    if has_unit:
+        return _bytes_budget(number)
+    return _numeric_budget(number, device_memory)
 
 
 def parse_policy(value: Any) -> str:
@@ -242,9 +358,11 @@ def parse_options(options: Mapping[str, Any]) -> Options:
             raise ValueError(f"sntf: {flag} must be True or False, got "
                              f"{values[flag]!r}")
     batch = values.get("batch_size")
-    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int)
-                              or batch <= 0):
-        raise ValueError(f"sntf: batch_size must be a positive int, got {batch!r}")
+    if batch is not None:
+        number = _number(batch)
+        if not isinstance(number, int) or number <= 0:
+            raise ValueError(f"sntf: batch_size must be a positive int, got {batch!r}")
+        values["batch_size"] = number
     if values.get("host_pool_limit") is not None:
         values["host_pool_limit"] = parse_size(values["host_pool_limit"],
                                                "host_pool_limit")
@@ -256,23 +374,28 @@ def parse_options(options: Mapping[str, Any]) -> Options:
         values["swap_min_bytes"] = parse_size(values["swap_min_bytes"], "swap_min_bytes",
                                               allow_zero=True)
     bandwidth = values.get("link_bandwidth")
-    if bandwidth is not None and (isinstance(bandwidth, bool)
-                                  or not isinstance(bandwidth, (int, float))
-                                  or not math.isfinite(bandwidth) or bandwidth <= 0):
-        raise ValueError(f"sntf: link_bandwidth must be a positive number of "
-                         f"bytes per second (e.g. 25e9) or None, got {bandwidth!r}")
+    if bandwidth is not None:
+        number = _number(bandwidth)
+        if number is None or not math.isfinite(number) or number <= 0:
+            raise ValueError(f"sntf: link_bandwidth must be a positive number of "
+                             f"bytes per second (e.g. 25e9) or None, got {bandwidth!r}")
+        values["link_bandwidth"] = float(number)
     margin = values.get("budget_margin", Options.budget_margin)
-    if (isinstance(margin, bool) or not isinstance(margin, (int, float))
-            or not math.isfinite(margin) or not 0 <= margin < 0.5):
+    number = _number(margin)
+    if number is None or not math.isfinite(number) or not 0 <= number < 0.5:
         raise ValueError(f"sntf: budget_margin must be a number in [0, 0.5), "
                          f"got {margin!r}")
+    values["budget_margin"] = float(number)
     behaviour = values.get("budget_behaviour", Options.budget_behaviour)
     if behaviour not in ("best_effort", "unchanged"):
         raise ValueError(f"sntf: budget_behaviour must be 'best_effort' or "
                          f"'unchanged', got {behaviour!r}")
     reports = values.get("max_reports", Options.max_reports)
-    if isinstance(reports, bool) or not isinstance(reports, int) or reports <= 0:
-        raise ValueError(f"sntf: max_reports must be a positive int, got {reports!r}")
+    number = _number(reports)
+    if not isinstance(number, int) or not 0 < number <= MAX_REPORTS:
+        raise ValueError(f"sntf: max_reports must be an int from 1 to {MAX_REPORTS}, "
+                         f"got {reports!r}")
+    values["max_reports"] = number
     return Options(**values)
 
 
@@ -302,12 +425,15 @@ def set_state(state: State) -> None:
         _state = state
 
 
-def from_environment(environ: Mapping[str, str] = os.environ
+def from_environment(environ: Mapping[str, str] = os.environ,
+                     device_memory: Optional[int] = None
                      ) -> Optional[tuple[str, Optional[Budget]]]:
     """Reads SNTF_POLICY and SNTF_BUDGET.
 
     Args:
       environ: the environment to read.
+      device_memory: the device's memory in bytes, when known (a fraction
+        budget must come to at least 1 MiB of it).
 
     Returns:
       (policy, budget) when either variable is set and non-empty, else None.
@@ -324,10 +450,140 @@ def from_environment(environ: Mapping[str, str] = os.environ
     except ValueError as e:
         raise ValueError(f"{ENV_POLICY}={policy_text!r}: {e}") from None
     try:
-        budget = parse_budget(budget_text) if budget_text else None
-    except (ValueError, OverflowError) as e:
+        budget = parse_budget(budget_text, device_memory) if budget_text else None
+    except ValueError as e:
         raise ValueError(f"{ENV_BUDGET}={budget_text!r}: {e}") from None
     return policy, budget
 
 
-Budgetish = Union[None, int, float, str]
+def host_pool_limit_from_environment(environ: Mapping[str, str] = os.environ
+                                     ) -> Optional[int]:
+    """Reads SNTF_HOST_POOL_LIMIT with the rules of the host_pool_limit option.
+
+    Args:
+      environ: the environment to read.
+
+    Returns:
+      The limit in bytes, or None when the variable is unset or empty.
+
+    Raises:
+      ValueError: for a malformed or zero limit, naming the variable.
+    """
+    text = environ.get(ENV_HOST_POOL_LIMIT, "").strip()
+    if not text:
+        return None
+    try:
+        return parse_size(text, "host_pool_limit")
+    except ValueError as e:
+        raise ValueError(f"{ENV_HOST_POOL_LIMIT}={text!r}: {e}") from None
+
+
+Budgetish = Union[None, int, float, str, numbers.Real]
+
+
+# ---------------------------------------------------------------- tf.config style
+# Set/get pairs named as tf.config names its switches
+# (tf.config.optimizer.set_experimental_options / get_experimental_options,
+# tf.config.experimental.set_memory_growth / get_memory_growth). A setter
+# changes one part of the switch, keeps the others, and enables sntf (policy
+# "auto" when it was off); sntf.disable() turns it off.
+
+def _enable(policy: str, budget: Budgetish, options: Mapping[str, Any]) -> None:
+    import sntf  # the package imports this module first: no cycle at import time
+
+    sntf.enable(policy=policy, budget=budget, **options)
+
+
+def _current_parts() -> tuple[str, Budgetish, dict]:
+    state = current()
+    if not state.enabled:
+        return "auto", None, {}
+    budget = None if state.budget is None else state.budget.to_user()
+    return state.policy, budget, dataclasses.asdict(state.options)
+
+
+def set_policy(policy: str) -> None:
+    """Sets the policy for graphs built from now on, keeping the budget and
+    options; enables sntf if it was off.
+
+    Args:
+      policy: one of POLICIES ("off", "recompute", "swap", "swap+recompute",
+        "auto"), case-insensitive.
+
+    Raises:
+      ValueError: an unknown policy, listing the accepted ones.
+    """
+    name = parse_policy(policy)
+    _, budget, options = _current_parts()
+    _enable(name, budget, options)
+
+
+def get_policy() -> Optional[str]:
+    """The policy in force, or None while sntf is disabled.
+
+    Returns:
+      One of POLICIES, or None.
+    """
+    state = current()
+    return state.policy if state.enabled else None
+
+
+def set_memory_budget(budget: Budgetish) -> None:
+    """Sets the device-memory budget for graphs built from now on, keeping
+    the policy and options; enables sntf (policy "auto") if it was off.
+
+    Args:
+      budget: as sntf.enable(budget=...): bytes, a size string ("6GB"), a
+        fraction of device memory in (0, 1] or "50%", "auto", or None to
+        drop the budget.
+
+    Raises:
+      ValueError: a malformed budget, naming it and the accepted forms.
+    """
+    parse_budget(budget)
+    policy, _, options = _current_parts()
+    _enable(policy, budget, options)
+
+
+def get_memory_budget() -> Budgetish:
+    """The budget in force, as set_memory_budget() accepts it back.
+
+    Returns:
+      Bytes (int), a fraction (float), "auto", or None (no budget, or sntf
+      disabled).
+    """
+    state = current()
+    if not state.enabled or state.budget is None:
+        return None
+    return state.budget.to_user()
+
+
+def set_options(options: Mapping[str, Any]) -> None:
+    """Changes options for graphs built from now on; options not named keep
+    their values. Enables sntf (policy "auto") if it was off.
+
+    Args:
+      options: option name -> value, names from OPTION_NAMES (see Options).
+
+    Raises:
+      TypeError: `options` is not a mapping, or names an unknown option.
+      ValueError: a malformed option value.
+    """
+    if not isinstance(options, Mapping):
+        raise TypeError(f"sntf.config.set_options() takes a dict of options, got "
+                        f"{type(options).__name__} {options!r}; accepted options: "
+                        f"{', '.join(OPTION_NAMES)}")
+    policy, budget, current_options = _current_parts()
+    merged = dict(current_options)
+    merged.update(options)
+    parse_options(merged)
+    _enable(policy, budget, merged)
+
+
+def get_options() -> dict:
+    """The options in force (the defaults while sntf is disabled).
+
+    Returns:
+      A dict, option name -> value.
+    """
+    return dataclasses.asdict(current().options)

@@ -1,43 +1,58 @@
-"""Tests for sntf.config: budgets, policies, options and the environment."""
+"""Tests for sntf.config: budgets, policies, options, the environment and
+the tf.config-style setters."""
 
+import dataclasses
 import math
 import os
 
+import numpy as np
 import pytest
 
+from conftest import run_python
 from sntf import config
 from sntf.config import Budget
 
 GB = 10**9
 MiB = 2**20
 GiB = 2**30
+RAM = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+SMALL = "below the smallest budget, 1 MiB"
+FRACTION_HINT = "did you mean a fraction of device memory"
+TOO_LARGE = "too large: at most 2**63-1"
 
 
 # --------------------------------------------------------------------------
-# parse_budget
+# Budgets: one table, every way a budget is given
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value, expected", [
+# (value, the Budget it means), for every accepted form.
+GOOD_BUDGETS = [
     (None, None),
-    (1, Budget(bytes=1)),
+    ("64MB", Budget(bytes=64 * 10**6)),
+    (8e9, Budget(bytes=8 * GB)),                     # a float above 1 is bytes
+    (1048576.4, Budget(bytes=MiB)),                  # ... rounded
+    (np.float32(0.5), Budget(fraction=0.5)),         # numpy scalars
+    (np.float64(0.5), Budget(fraction=0.5)),
+    (np.int64(GiB), Budget(bytes=GiB)),
+    (np.uint32(2 * MiB), Budget(bytes=2 * MiB)),
+    (MiB, Budget(bytes=MiB)),                        # the smallest budget
+    (2**63 - 1, Budget(bytes=2**63 - 1)),            # the largest
     (12_000_000_000, Budget(bytes=12 * GB)),
     (0.5, Budget(fraction=0.5)),
-    (1.0, Budget(fraction=1.0)),
-    (1e-9, Budget(fraction=1e-9)),
+    (1.0, Budget(fraction=1.0)),                     # all of device memory
+    (0.001, Budget(fraction=0.001)),
     ("12GB", Budget(bytes=12 * GB)),
     ("12gb", Budget(bytes=12 * GB)),
     (" 12 GB ", Budget(bytes=12 * GB)),
     ("12G", Budget(bytes=12 * GB)),
-    ("3kb", Budget(bytes=3000)),
     ("2TB", Budget(bytes=2 * 10**12)),
     ("512MiB", Budget(bytes=512 * MiB)),
-    ("512mib", Budget(bytes=512 * MiB)),
-    ("4KiB", Budget(bytes=4096)),
     ("1.5GiB", Budget(bytes=1610612736)),
     ("1TiB", Budget(bytes=2**40)),
-    ("100B", Budget(bytes=100)),
-    ("1048576", Budget(bytes=1048576)),
+    ("1024KiB", Budget(bytes=MiB)),
+    ("1048576", Budget(bytes=MiB)),
     ("1e9", Budget(bytes=10**9)),
+    ("8e9", Budget(bytes=8 * GB)),
     ("50%", Budget(fraction=0.5)),
     (" 50 % ", Budget(fraction=0.5)),
     ("100%", Budget(fraction=1.0)),
@@ -46,85 +61,252 @@ GiB = 2**30
     (" 0.25\t", Budget(fraction=0.25)),
     (".5", Budget(fraction=0.5)),
     ("1.0", Budget(fraction=1.0)),
-])
-def test_parse_budget_accepts(value, expected):
+    ("auto", Budget(auto=True)),
+    (" AUTO ", Budget(auto=True)),
+]
+
+# (value, the reason the error gives), for every refused form.
+BAD_BUDGETS = [
+    (1, SMALL),                          # one byte: surely not meant
+    ("1", SMALL),
+    (1.5, SMALL),                        # a float above 1 is bytes: 2 bytes
+    (MiB - 1, SMALL),
+    ("100B", SMALL),
+    ("3kb", SMALL),
+    ("4KiB", SMALL),
+    (np.int32(4096), SMALL),
+    (5e-324, "0 bytes, " + SMALL),       # a fraction that rounds to zero
+    (1e-12, SMALL),
+    ("0.5B", "it rounds to zero bytes"),
+    (0, "it must be positive"),
+    (-1, "it must be positive"),
+    (-12 * GB, "it must be positive"),
+    (0.0, "it must be positive"),
+    (-0.5, "it must be positive"),
+    ("-5GB", "it must be positive"),
+    ("0", "it must be positive"),
+    ("0GB", "it must be positive"),
+    (2**63, TOO_LARGE),                  # beyond int64
+    (10**20, TOO_LARGE),
+    (1e19, TOO_LARGE),
+    ("9223372036854775808", TOO_LARGE),
+    ("99999999999999999999GB", TOO_LARGE),
+    ("1e400GB", TOO_LARGE),
+    ("1e400", TOO_LARGE),
+    (float("nan"), "not a finite number"),
+    (float("inf"), "not a finite number"),
+    (float("-inf"), "not a finite number"),
+    (True, "a bool is not a budget"),
+    (False, "a bool is not a budget"),
+    (np.bool_(True), "a bool is not a budget"),
+    ("0%", "a percentage must lie in (0, 100]"),
+    ("150%", "a percentage must lie in (0, 100]"),
+    ("", "an empty string"),
+    ("   ", "an empty string"),
+    ("abc", "not a size, fraction or percentage"),
+    ("12XB", "unknown unit 'XB'"),
+    ("12Ki", "unknown unit 'Ki'"),
+    ("GB", "not a size, fraction or percentage"),
+    ("12 G B", "not a size, fraction or percentage"),
+    ([1], "unsupported type list"),
+    ((1,), "unsupported type tuple"),
+    ({"bytes": 1}, "unsupported type dict"),
+    (b"12GB", "unsupported type bytes"),
+]
+
+
+@pytest.mark.parametrize("value, expected", GOOD_BUDGETS, ids=repr)
+def test_budget_argument_accepted(value, expected):
+    assert config.parse_budget(value, RAM) == expected
     assert config.parse_budget(value) == expected
+
+
+@pytest.mark.parametrize("value, why", BAD_BUDGETS, ids=repr)
+def test_budget_argument_refused(value, why):
+    with pytest.raises(ValueError) as excinfo:
+        config.parse_budget(value, RAM)
+    message = str(excinfo.value)
+    assert message.startswith(f"sntf: invalid budget {value!r} (")
+    assert why in message
+    assert message.endswith(f"accepted forms: {config.BUDGET_FORMS}")
+
+
+@pytest.mark.parametrize("value", [1, "100B", 1.5, MiB - 1], ids=repr)
+def test_budget_below_a_mebibyte_asks_for_a_fraction(value):
+    with pytest.raises(ValueError, match=FRACTION_HINT):
+        config.parse_budget(value)
+
+
+def _env_text(value):
+    """How a value reads when it is written into SNTF_BUDGET."""
+    return value if isinstance(value, str) else repr(float(value)) \
+        if isinstance(value, (float, np.floating)) else str(value)
+
+
+ENV_GOOD = [(v, b) for v, b in GOOD_BUDGETS
+            if v is not None and (not isinstance(v, str) or v.strip())]
+ENV_BAD = [(v, why) for v, why in BAD_BUDGETS
+           if isinstance(v, (str, int, float, np.integer, np.floating))
+           and not isinstance(v, (bool, np.bool_)) and str(v).strip()
+           and (not isinstance(v, float) or math.isfinite(v))]
+
+
+@pytest.mark.parametrize("value, expected", ENV_GOOD, ids=repr)
+def test_budget_environment_accepted(value, expected):
+    policy, budget = config.from_environment({"SNTF_BUDGET": _env_text(value)}, RAM)
+    assert (policy, budget) == ("auto", expected)
+
+
+@pytest.mark.parametrize("value, why", ENV_BAD, ids=repr)
+def test_budget_environment_refused_with_the_same_reason(value, why):
+    text = _env_text(value)
+    with pytest.raises(ValueError) as excinfo:
+        config.from_environment({"SNTF_BUDGET": text}, RAM)
+    message = str(excinfo.value)
+    assert message.startswith(f"SNTF_BUDGET={text.strip()!r}: sntf: invalid budget")
+    assert why in message
+
+
+@pytest.mark.parametrize("value, why", BAD_BUDGETS, ids=repr)
+def test_budget_enable_and_setter_refuse_before_loading_anything(value, why):
+    import sntf
+
+    for call in (lambda: sntf.enable(policy="off", budget=value),
+                 lambda: config.set_memory_budget(value)):
+        with pytest.raises(ValueError) as excinfo:
+            call()
+        assert why in str(excinfo.value)
+    assert not sntf.enabled()
+
+
+def test_budget_tools_refuse_with_the_same_reasons(tmp_path):
+    """sntf_dump --budget and python -m sntf --budget parse with the same
+    rules (in one fresh process: the tool sets TF_* variables at import)."""
+    model = tmp_path / "m.py"
+    model.write_text("def build_model():\n    pass\n")
+    texts = sorted({_env_text(v) for v, _ in ENV_BAD + ENV_GOOD})
+    run = run_python(f"""
+        import json
+        from sntf import __main__ as runner
+        from sntf.tools import dump
+        out = {{}}
+        for text in {texts!r}:
+            got = []
+            try:
+                got.append(repr(dump.parse_flags(
+                    ["sntf_dump", "--model", {str(model)!r}, "--batch", "2",
+                     "--budget", text]).budget))
+            except dump.DumpError as e:
+                got.append("error: " + str(e))
+            try:
+                got.append(repr(runner.settings(["runner", "--budget", text])[1]))
+            except runner.UsageError as e:
+                got.append("error: " + str(e))
+            out[text] = got
+        print("RESULT " + json.dumps(out))
+    """)
+    result = run.result()
+    for value, why in ENV_BAD:
+        dump_said, runner_said = result[_env_text(value)]
+        assert dump_said.startswith("error: --budget: sntf: invalid budget"), dump_said
+        assert why in dump_said and runner_said.startswith("error:") and why in runner_said
+    for value, expected in ENV_GOOD:
+        dump_said, runner_said = result[_env_text(value)]
+        assert dump_said == repr(expected), (value, dump_said)
+        assert runner_said == repr(_env_text(value)), (value, runner_said)
+
+
+def test_budget_forms_name_every_form():
+    for form in ("'12GB'", "'512MiB'", "'1.5GiB'", "(0, 1]", "'50%'", "None",
+                 "at least 1 MiB", "8e9"):
+        assert form in config.BUDGET_FORMS
 
 
 def test_parse_budget_types_of_fields():
     by_bytes = config.parse_budget("12GB")
     assert type(by_bytes.bytes) is int and by_bytes.fraction is None
-    by_fraction = config.parse_budget("50%")
+    by_fraction = config.parse_budget(np.float32(0.5))
     assert type(by_fraction.fraction) is float and by_fraction.bytes is None
+    assert type(config.parse_budget(np.int64(GiB)).bytes) is int
+    assert type(config.parse_budget(8e9).bytes) is int
 
 
-BAD_BUDGETS = [0, -1, -12 * GB, 1.5, 0.0, -0.5, float("nan"), float("inf"),
-               float("-inf"), True, False, "abc", "12XB", "12Ki", "", "   ",
-               "-5GB", "0%", "150%", "-5%", "0", "0GB", "0.5B", "GB", "12 G B",
-               [1], (1,), {"bytes": 1}, b"12GB", object]
-
-
-@pytest.mark.parametrize("value", BAD_BUDGETS, ids=repr)
-def test_parse_budget_rejects(value):
-    with pytest.raises(ValueError) as excinfo:
-        config.parse_budget(value)
-    message = str(excinfo.value)
-    assert message.startswith(f"sntf: invalid budget {value!r} (")
-    assert message.endswith(f"accepted forms: {config.BUDGET_FORMS}")
-
-
-@pytest.mark.parametrize("value, why", [
-    (0, "it must be positive"),
-    (-1, "it must be positive"),
-    (True, "a bool is not a budget"),
-    (1.5, "a float budget is a fraction of device memory and must lie in (0, 1]"),
-    (float("nan"), "must lie in (0, 1]"),
-    ("150%", "a percentage must lie in (0, 100]"),
-    ("0%", "a percentage must lie in (0, 100]"),
-    ("12XB", "not a size, fraction or percentage"),
-    ([1], "unsupported type list"),
-])
-def test_parse_budget_error_says_why(value, why):
-    with pytest.raises(ValueError, match="invalid budget") as excinfo:
-        config.parse_budget(value)
-    assert why in str(excinfo.value)
-
-
-def test_budget_forms_name_every_form():
-    for form in ("'12GB'", "'512MiB'", "'1.5GiB'", "(0, 1]", "'50%'", "None"):
-        assert form in config.BUDGET_FORMS
-
-
-@pytest.mark.parametrize("value", ["1e400", "1e400GB"])
-def test_parse_budget_huge_number_raises_value_error(value):
-    with pytest.raises(ValueError, match="invalid budget"):
-        config.parse_budget(value)
-
-
-def test_parse_budget_error_names_the_string_received():
-    with pytest.raises(ValueError) as excinfo:
-        config.parse_budget("1.5")
-    assert "invalid budget '1.5'" in str(excinfo.value)
+def test_fraction_check_needs_the_device_memory():
+    # 0.001 of a 512 MiB device is 0.5 MiB: refused where the memory is known.
+    with pytest.raises(ValueError, match="0.001 of this device's 536870912 bytes"):
+        config.parse_budget(0.001, 512 * MiB)
+    assert config.parse_budget(0.001) == Budget(fraction=0.001)
 
 
 # --------------------------------------------------------------------------
-# parse_size
+# Sizes: host_pool_limit (option and SNTF_HOST_POOL_LIMIT), swap_min_bytes
 # --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("value, expected", [
     (1, 1), ("1", 1), ("12GB", 12 * GB), ("512 MiB", 512 * MiB), ("7b", 7),
-    ("2.5KB", 2500), ("1m", 10**6), ("1t", 10**12),
+    ("2.5KB", 2500), ("1m", 10**6), ("1t", 10**12), (4e9, 4 * GB),
+    (np.int64(4096), 4096), (1.5, 2), ("1.5", 2), (2**63 - 1, 2**63 - 1),
 ])
 def test_parse_size(value, expected):
     assert config.parse_size(value) == expected
 
 
-@pytest.mark.parametrize("value", [0, -3, True, 1.5, None, "x", "12XB", "0",
-                                   "-1MB", ""], ids=repr)
-def test_parse_size_rejects_naming_argument(value):
+@pytest.mark.parametrize("value, why", [
+    (0, "it must be positive"), (-3, "it must be positive"),
+    ("0", "it must be positive"), ("-1MB", "it must be positive"),
+    (0.4, "it rounds to zero bytes"), ("0.4B", "it rounds to zero bytes"),
+    (True, "expected a number"), (None, "expected a number"),
+    ("x", "not a number with an optional unit"), ("", "not a number"),
+    ("12XB", "unknown unit 'XB'"), (2**63, TOO_LARGE), ("1e400GB", TOO_LARGE),
+    ("1e400", TOO_LARGE), (float("nan"), "not a number"),
+], ids=repr)
+def test_parse_size_rejects_naming_argument(value, why):
     with pytest.raises(ValueError) as excinfo:
         config.parse_size(value, "host_pool_limit")
     assert f"invalid host_pool_limit {value!r}" in str(excinfo.value)
+    assert why in str(excinfo.value)
+
+
+HOST_POOL_LIMITS = [("4096", 4096), ("1GiB", GiB), ("8GB", 8 * GB), ("1e9", 10**9),
+                    ("0", "it must be positive"), ("-1", "it must be positive"),
+                    ("12XB", "unknown unit"), ("lots", "not a number"),
+                    ("99999999999999999999", TOO_LARGE), ("1e400GB", TOO_LARGE)]
+
+
+@pytest.mark.parametrize("text, expected", HOST_POOL_LIMITS)
+def test_host_pool_limit_option_and_environment_share_rules(text, expected):
+    environ = {"SNTF_HOST_POOL_LIMIT": f" {text} "}
+    if isinstance(expected, int):
+        assert config.parse_options({"host_pool_limit": text}).host_pool_limit == expected
+        assert config.host_pool_limit_from_environment(environ) == expected
+        return
+    with pytest.raises(ValueError, match=f"invalid host_pool_limit '{text}'") as option:
+        config.parse_options({"host_pool_limit": text})
+    with pytest.raises(ValueError) as env:
+        config.host_pool_limit_from_environment(environ)
+    assert str(env.value) == f"SNTF_HOST_POOL_LIMIT={text!r}: {option.value}"
+    assert expected in str(option.value)
+
+
+def test_host_pool_limit_environment_unset():
+    assert config.host_pool_limit_from_environment({}) is None
+    assert config.host_pool_limit_from_environment({"SNTF_HOST_POOL_LIMIT": " "}) is None
+
+
+def test_host_pool_limit_from_environment_reaches_the_pool(fresh_python):
+    """A size with a unit, which the native pool alone would ignore, sets its
+    limit; a zero limit fails the import as the option fails enable()."""
+    run = fresh_python("""
+        import json, sntf
+        sntf.enable(policy="off")
+        print("RESULT " + json.dumps(sntf.stats()["pool"]["limit_bytes"]))
+    """, env={"SNTF_HOST_POOL_LIMIT": "8GiB"})
+    assert run.result() == 8 * GiB
+    assert "ignoring malformed" not in run.stderr
+    zero = fresh_python("import sntf", env={"SNTF_HOST_POOL_LIMIT": "0"})
+    assert zero.returncode == 1
+    assert ("ValueError: SNTF_HOST_POOL_LIMIT='0': sntf: invalid host_pool_limit '0': "
+            "it must be positive") in zero.stderr
 
 
 # --------------------------------------------------------------------------
@@ -149,7 +331,7 @@ def test_budget_resolve_percentage_is_exact():
 
 
 def test_budget_describe():
-    assert Budget(bytes=12).describe() == "12 bytes"
+    assert Budget(bytes=64 * MiB).describe() == "67108864 bytes (64.0 MiB)"
     assert Budget(fraction=0.5).describe() == "0.5 of device memory"
 
 
@@ -260,6 +442,23 @@ def test_parse_options_values():
     assert config.parse_options({"host_pool_limit": None}).host_pool_limit is None
 
 
+def test_parse_options_accepts_numpy_scalars():
+    options = config.parse_options({"batch_size": np.int64(32), "max_reports": np.int32(7),
+                                    "budget_margin": np.float32(0.25),
+                                    "link_bandwidth": np.float64(25e9),
+                                    "host_pool_limit": np.uint64(GiB)})
+    assert (options.batch_size, options.max_reports, options.budget_margin,
+            options.link_bandwidth, options.host_pool_limit) == (32, 7, 0.25, 25e9, GiB)
+    assert type(options.batch_size) is int and type(options.budget_margin) is float
+
+
+def test_max_reports_bounds():
+    assert config.parse_options({"max_reports": config.MAX_REPORTS}).max_reports == \
+        config.MAX_REPORTS
+    with pytest.raises(ValueError, match="from 1 to 1000000"):
+        config.parse_options({"max_reports": config.MAX_REPORTS + 1})
+
+
 def test_parse_options_unknown_key():
     with pytest.raises(TypeError) as excinfo:
         config.parse_options({"zeta": 1, "identity_rewrite": True, "alpha": 2})
@@ -281,11 +480,15 @@ def test_parse_options_unknown_key():
     ({"batch_size": "8"}, "batch_size must be a positive int, got '8'"),
     ({"host_pool_limit": 0}, "invalid host_pool_limit 0"),
     ({"host_pool_limit": "12XB"}, "invalid host_pool_limit '12XB'"),
-    ({"host_pool_limit": 1.5}, "invalid host_pool_limit 1.5"),
-    ({"max_reports": 0}, "max_reports must be a positive int, got 0"),
-    ({"max_reports": None}, "max_reports must be a positive int, got None"),
-    ({"max_reports": False}, "max_reports must be a positive int, got False"),
-    ({"max_reports": 2.0}, "max_reports must be a positive int, got 2.0"),
+    ({"host_pool_limit": 0.4}, "invalid host_pool_limit 0.4: it rounds to zero"),
+    ({"host_pool_limit": 2**63}, "invalid host_pool_limit 9223372036854775808: too large"),
+    ({"max_reports": 0}, "max_reports must be an int from 1 to 1000000, got 0"),
+    ({"max_reports": None}, "max_reports must be an int from 1 to 1000000, got None"),
+    ({"max_reports": False}, "max_reports must be an int from 1 to 1000000, got False"),
+    ({"max_reports": 2.0}, "max_reports must be an int from 1 to 1000000, got 2.0"),
+    ({"max_reports": 10**20}, "max_reports must be an int from 1 to 1000000, got "
+                              "100000000000000000000"),
+    ({"batch_size": np.float32(8)}, "batch_size must be a positive int"),
 ])
 def test_parse_options_bad_values(options, fragment):
     with pytest.raises(ValueError) as excinfo:
@@ -406,3 +609,81 @@ def test_swap_options_rejected(key, value, words):
     with pytest.raises(ValueError) as excinfo:
         config.parse_options({key: value})
     assert words in str(excinfo.value) and repr(value) in str(excinfo.value)
+
+
+# --------------------------------------------------------------------------
+# tf.config-style set/get pairs
+# --------------------------------------------------------------------------
+
+def test_getters_while_disabled():
+    saved = config.current()
+    try:
+        config.set_state(config.State())
+        assert config.get_policy() is None
+        assert config.get_memory_budget() is None
+        assert config.get_options() == dataclasses.asdict(config.Options())
+    finally:
+        config.set_state(saved)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: config.set_policy("fast"), ValueError, "unknown policy 'fast'"),
+    (lambda: config.set_policy(None), ValueError, "unknown policy None"),
+    (lambda: config.set_memory_budget(1), ValueError, FRACTION_HINT),
+    (lambda: config.set_memory_budget("lots"), ValueError, "invalid budget 'lots'"),
+    (lambda: config.set_memory_budget(2**63), ValueError, TOO_LARGE),
+    (lambda: config.set_options({"zeta": 1}), TypeError, "unknown option(s) ['zeta']"),
+    (lambda: config.set_options({"batch_size": 0}), ValueError,
+     "batch_size must be a positive int"),
+    (lambda: config.set_options({"max_reports": 10**20}), ValueError,
+     "max_reports must be an int from 1 to 1000000"),
+    (lambda: config.set_options("batch_size=8"), TypeError, "takes a dict of options"),
+    (lambda: config.set_options([("batch_size", 8)]), TypeError, "takes a dict"),
+])
+def test_setters_refuse_bad_values_and_leave_the_switch(call, error, words):
+    before = config.current()
+    with pytest.raises(error) as excinfo:
+        call()
+    assert words in str(excinfo.value)
+    assert config.current() is before
+
+
+def test_setters_and_getters_in_a_fresh_process(fresh_python):
+    run = fresh_python("""
+        import json, sntf
+        from sntf import config
+        seen = []
+        config.set_memory_budget("6GB")            # enables sntf, policy "auto"
+        seen.append([sntf.enabled(), config.get_policy(), config.get_memory_budget()])
+        config.set_policy("SWAP+recompute")        # keeps the budget
+        seen.append([config.get_policy(), config.get_memory_budget()])
+        config.set_options({"batch_size": 16, "recompute_mode": "speed"})
+        config.set_options({"swap_min_bytes": "2MiB"})   # keeps batch_size
+        options = config.get_options()
+        seen.append([options["batch_size"], options["recompute_mode"],
+                     options["swap_min_bytes"], config.get_policy()])
+        config.set_memory_budget(0.5)
+        seen.append([config.get_memory_budget(), options["batch_size"]])
+        config.set_memory_budget(None)
+        seen.append([config.get_memory_budget(), config.get_policy()])
+        try:
+            config.set_policy("fastest")
+        except ValueError as e:
+            seen.append(["refused", config.get_policy()])
+        sntf.disable()
+        seen.append([sntf.enabled(), config.get_policy(), config.get_memory_budget()])
+        config.set_policy("off")
+        seen.append([sntf.enabled(), config.get_policy(),
+                     config.get_options()["batch_size"]])
+        print("RESULT " + json.dumps(seen))
+    """)
+    assert run.result() == [
+        [True, "auto", 6 * GB],
+        ["swap+recompute", 6 * GB],
+        [16, "speed", 2 * MiB, "swap+recompute"],
+        [0.5, 16],
+        [None, "swap+recompute"],
+        ["refused", "swap+recompute"],
+        [False, None, None],
+        [True, "off", None],
+    ], run.stderr[-2000:]

@@ -166,7 +166,7 @@ def test_summary_reports_predicted_and_measured(cnn_dump):
     assert run.returncode == 0, _describe(run)
     text = run.stdout
     assert "predicted peak" in text and "measured CPU:0 peak" in text
-    assert "predicted/measured" in text and "lower bound" in text
+    assert "predicted (graph ran unchanged)/measured" in text and "lower bound" in text
     assert "graph_0" in text and "tiny_cnn" in text
     assert "make_data(16)" in text and "not compiled" in text
     # The stages of the pass, in the order they ran.
@@ -186,11 +186,17 @@ def test_saved_keras_model_with_budget(tmp_path):
     out = tmp_path / "out"
     run = _tool("--model", path, "--batch", 8, "--budget", "64MiB", "--out", out)
     assert run.returncode == 0, _describe(run)
+    # A budget alone means policy "auto": a plan, not a report of none.
+    assert "policy 'auto', budget 64MiB" in run.stdout, run.stdout
     data = json.loads((out / "graph_0" / "timeline.json").read_text())
     assert data["budget_bytes"] == 64 << 20
     assert len(data["series"]["original"]) > 10
     plan = json.loads((out / "graph_0" / "plan.json").read_text())
     assert plan["batch"] == 8 and plan["predicted_peak_bytes"] > 0
+    # The measurement is set against the graph that ran.
+    label = ("planned (rewritten graph, which ran)/measured"
+             if plan["action"] == "rewritten" else "predicted (graph ran unchanged)/measured")
+    assert label in run.stdout, run.stdout
     assert "saved.keras" in run.stdout and "budget 64MiB" in run.stdout
     assert "random samples" in run.stdout and "not compiled" not in run.stdout
     _png_size(out / "graph_0" / "timeline.png")

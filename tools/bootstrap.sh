@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up everything sntf needs on a machine with Python 3.11 and g++:
 # a virtual environment in .venv, the pinned dependencies (sntf's and its
-# tests'), and sntf itself,
-# compiled against the TensorFlow installed in that environment.
+# tests'), and sntf itself, compiled against the TensorFlow installed in
+# that environment, with its startup hook (sntf-startup.pth in
+# site-packages: SNTF_POLICY/SNTF_BUDGET work without `import sntf`).
 #
 #   bash tools/bootstrap.sh
 #
@@ -35,6 +36,8 @@ built_and_current() {
   [ -z "$(find tf_ops setup.py -newer "$ops" -print -quit)" ] || return 1
   [ -z "$(find tf_ops setup.py -newer "$plugin" -print -quit)" ] || return 1
   "$VPY" -m pip show --quiet sntf >/dev/null 2>&1 || return 1
+  # An environment set up before sntf had its startup hook lacks it.
+  "$VPY" -c 'import os, sysconfig, sys; sys.exit(not os.path.isfile(os.path.join(sysconfig.get_paths()["purelib"], "sntf-startup.pth")))' || return 1
 }
 
 if built_and_current; then
@@ -46,4 +49,7 @@ else
   "$VPY" -m pip install --quiet --disable-pip-version-check \
     --no-build-isolation --no-deps -e .
 fi
+"$VPY" -c 'import os, sysconfig, sys
+path = os.path.join(sysconfig.get_paths()["purelib"], "sntf-startup.pth")
+sys.exit(None if os.path.isfile(path) else "sntf bootstrap: the install left no " + path)'
 echo "sntf bootstrap: ready ($("$VPY" -c 'import tensorflow as tf; print("TensorFlow", tf.__version__)' 2>/dev/null))"

@@ -22,6 +22,11 @@ _runtime_batch: list = [None]
 _gpu_total: list = []
 _settings_lock = threading.Lock()
 _set_by_sntf: dict = {}       # environment variable -> the value sntf set
+# Name of the Keras model whose fit() is running (set by the Keras hook):
+# the plugin names that model's training graphs after it.
+_fit_model: list = [None]
+
+HOST_POOL_LIMIT_ENV = "SNTF_HOST_POOL_LIMIT"
 
 
 def set_runtime_batch(batch: Optional[int]) -> None:
@@ -32,6 +37,54 @@ def set_runtime_batch(batch: Optional[int]) -> None:
 def runtime_batch() -> Optional[int]:
     """The batch recorded by set_runtime_batch (None if unknown)."""
     return _runtime_batch[0]
+
+
+def set_fit_model(name: Optional[str]) -> None:
+    """Records the name of the Keras model whose fit() runs now (or None)."""
+    _fit_model[0] = name
+
+
+def fit_model() -> Optional[str]:
+    """The name recorded by set_fit_model (None outside a Keras fit())."""
+    return _fit_model[0]
+
+
+def optimizer_blockers() -> list[str]:
+    """TensorFlow optimizer options in force that keep graph plugins from
+    running, as "name=value" strings; empty when TensorFlow is not imported.
+
+    Returns:
+      e.g. ["use_plugin_optimizers=False"].
+    """
+    import sys
+
+    if "tensorflow" not in sys.modules:
+        return []
+    try:
+        from tensorflow.python.eager import context
+
+        options = context.context().get_optimizer_experimental_options()
+    except Exception:  # noqa: BLE001 - a private API; no answer means no blocker
+        return []
+    blockers = []
+    if options.get("disable_meta_optimizer") is True:
+        blockers.append("disable_meta_optimizer=True")
+    if options.get("use_plugin_optimizers") is False:
+        blockers.append("use_plugin_optimizers=False")
+    return blockers
+
+
+def normalize_host_pool_limit(limit: int) -> None:
+    """Writes SNTF_HOST_POOL_LIMIT back as a plain byte count.
+
+    The native pool reads the variable when it is first used and accepts
+    only digits; sntf accepts what the host_pool_limit option does ("8GiB"),
+    so the validated value goes back in the form the pool reads.
+
+    Args:
+      limit: the limit in bytes, already validated.
+    """
+    os.environ[HOST_POOL_LIMIT_ENV] = str(int(limit))
 
 
 def onednn_enabled() -> bool:
@@ -82,7 +135,7 @@ def _gpu_memory_bytes() -> Optional[int]:
             break
         if total is None:
             logger.warning(
-                "sntf: could not ask the CUDA runtime for the GPU's memory; "
+                "could not ask the CUDA runtime for the GPU's memory; "
                 "fraction and 'auto' budgets use the host's RAM instead")
         _gpu_total.append(total)
     return _gpu_total[0]
@@ -121,6 +174,6 @@ def apply_settings(settings: dict) -> None:
                 continue
             os.environ[name] = str(value)
             if ours != str(value):
-                logger.info("sntf: %s=%s (budget headroom over the planned peak)",
+                logger.info("%s=%s (budget headroom over the planned peak)",
                             name, value)
             _set_by_sntf[name] = str(value)

@@ -1,4 +1,5 @@
-"""Hooks into Keras: no XLA behind sntf's back, and the batch fit() feeds.
+"""Hooks into Keras: no XLA behind sntf's back, the batch fit() feeds, and
+a look at each fit() for the reasons sntf would leave it alone.
 
 XLA. Keras 3 resolves `compile(jit_compile="auto")` to True whenever a non-CPU
 device exists. An XLA-compiled train step is one cluster that Grappler's
@@ -17,6 +18,15 @@ as a constant. A hook records it (per replica, under a distribution
 strategy), where the pass reads it for graphs whose batch is unknown and no
 batch_size option was given. A later partial batch runs the same graph,
 whose plan then only over-estimates memory.
+
+Each fit(). Before it, sntf.runtime.noops warns about what would make sntf
+do nothing to it (a train step built before sntf was enabled, jit_compile,
+run_eagerly); during it, the plugin names the training graphs after the
+model; after it, host-pool fallbacks are reported.
+
+The hooks are installed when Keras' trainer modules finish importing
+(sntf.runtime.post_import): sntf may be enabled while Keras is still being
+imported, and never imports Keras itself.
 """
 
 from __future__ import annotations
@@ -27,18 +37,68 @@ import threading
 from typing import Optional
 
 from sntf import config
-from sntf.runtime import environment
+from sntf.runtime import environment, noops, post_import
 
 logger = logging.getLogger("sntf")
 _lock = threading.Lock()
 _installed = False
 _batch_installed = False
+_fit_installed = False
 _warned = False
 
-MESSAGE = ("sntf: Keras compile(jit_compile='auto') resolved to False while sntf is "
+TRAINER_MODULE = "keras.src.trainers.trainer"
+TF_TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
+
+MESSAGE = ("Keras compile(jit_compile='auto') resolved to False while sntf is "
            "enabled (policy %r): an XLA-compiled train step is one cluster that "
            "sntf cannot rewrite. Pass jit_compile=True to compile(), or call "
            "sntf.disable() first, to keep XLA for a model.")
+
+
+def install() -> None:
+    """Installs every Keras hook once Keras' trainer modules are imported
+    (now, if they are)."""
+    post_import.when_imported(TRAINER_MODULE, lambda _module: install_jit_guard())
+    post_import.when_imported(TF_TRAINER_MODULE, lambda _module: (
+        install_batch_hook(), install_fit_hook()))
+
+
+def install_fit_hook() -> bool:
+    """Wraps Keras' TensorFlowTrainer.fit once per process.
+
+    Returns:
+      Whether Keras' TensorFlow trainer was found and is wrapped.
+    """
+    global _fit_installed
+    with _lock:
+        if _fit_installed:
+            return True
+        try:
+            from keras.src.backend.tensorflow import trainer
+        except ImportError:
+            return False
+        original = trainer.TensorFlowTrainer.fit
+
+        @functools.wraps(original)
+        def fit(self, *args, **kwargs):
+            try:
+                noops.check_fit(self)
+            except Exception:  # noqa: BLE001 - a warning must never break fit()
+                pass
+            outer = environment.fit_model()
+            environment.set_fit_model(getattr(self, "name", None))
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                environment.set_fit_model(outer)
+                try:
+                    noops.note_fit(self)
+                except Exception:  # noqa: BLE001
+                    pass
+
+        trainer.TensorFlowTrainer.fit = fit
+        _fit_installed = True
+        return True
 
 
 def install_jit_guard() -> bool:

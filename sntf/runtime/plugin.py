@@ -19,6 +19,7 @@ import gc
 import importlib
 import logging
 import os
+import re
 import site
 import sys
 import threading
@@ -26,7 +27,7 @@ from typing import Optional, Sequence
 
 from sntf import config, passes
 from sntf import report as report_schema
-from sntf.runtime import environment
+from sntf.runtime import environment, noops
 
 logger = logging.getLogger("sntf")
 
@@ -106,7 +107,7 @@ def ensure_loaded() -> str:
         owner = shim.registered_path()
         if owner:
             _loaded_from = owner
-            logger.info("sntf: graph plugin already registered by %s", owner)
+            logger.info("graph plugin already registered by %s", owner)
             return owner
         foreign = foreign_graph_plugins()
         if foreign:
@@ -129,12 +130,42 @@ def ensure_loaded() -> str:
 
 
 def _log_once(key: str, message: str) -> None:
+    """Logs a warning once per key. The logger's name already says sntf, so a
+    message the pass worded as "sntf: ..." loses that prefix."""
     key = key[:200]
+    if message.startswith("sntf: "):
+        message = message[len("sntf: "):]
     with _reports_lock:
         if key in _logged_failures or len(_logged_failures) >= MAX_LOGGED_FAILURES:
             return
         _logged_failures.add(key)
     logger.warning("%s", message)
+
+
+def _name_graph(report: dict, graph_bytes: bytes) -> None:
+    """Names a training graph after the Keras model whose fit() built it
+    ("train step of 'wrn16_4'"); the pass's hint from name scopes (such as
+    "StatefulPartitionedCall,ConstantFolding") stays as report["scopes"].
+
+    The graph counts as the model's when the model's name appears in it:
+    Keras scopes every layer's ops under the model's name.
+    """
+    model = environment.fit_model()
+    if not report.get("training") or not model:
+        return
+    if model.encode("utf-8", "replace") not in graph_bytes:
+        return
+    report["scopes"] = report.get("graph")
+    report["graph"] = f"train step of {model!r}"
+
+
+def _renamed(message: str, report: dict) -> str:
+    """A pass message with the graph's scope hint replaced by its readable
+    name (see _name_graph)."""
+    scopes = report.get("scopes")
+    if scopes and report.get("graph") != scopes:
+        return message.replace(f"graph {scopes}", f"graph {report['graph']}")
+    return message
 
 
 def _record(report: dict, key: Optional[bytes], max_reports: int) -> None:
@@ -217,9 +248,10 @@ def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
             if gc_was_enabled:
                 gc.enable()
         report = result.report
+        _name_graph(report, graph_bytes)
         environment.apply_settings(result.settings)
         for warning in result.warnings:
-            _log_once(warning, warning)
+            _log_once(warning, _renamed(warning, report))
         if result.deferred:
             _record(report, None, state.options.max_reports)
             _thread_state.pending = (_generation, tuple(fetch), report)
@@ -229,19 +261,21 @@ def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
             out = result.graph_def.SerializeToString()
         if report["action"] == report_schema.ERROR:
             _log_once(report["reason"],
-                      f"sntf: graph pass failed, graph {report['graph']!r} left "
+                      f"graph pass failed, graph {report['graph']!r} left "
                       f"unchanged: {report['reason']}")
         if later:
             _complete(pending[2], report, result.key)
         else:
             _record(report, result.key, state.options.max_reports)
+        noops.check_report(report)
+        noops.check_pool_fallbacks()
         return out
     except BaseException as e:  # noqa: BLE001 - nothing may escape into TensorFlow
         try:
             report = report_schema.new_report()
             report["action"] = report_schema.ERROR
             report["reason"] = f"{type(e).__name__}: {e}"
-            _log_once(report["reason"], "sntf: graph pass failed, graph left "
+            _log_once(report["reason"], "graph pass failed, graph left "
                       f"unchanged: {report['reason']}")
             _record(report, None, config.current().options.max_reports)
         except BaseException:  # noqa: BLE001
@@ -261,3 +295,109 @@ def clear_reports() -> None:
     with _reports_lock:
         _reports.clear()
         _generation += 1
+
+
+# ---------------------------------------------------------------- summary
+MIB = float(1 << 20)
+REASON_CHARACTERS = 110   # a summary line's reason, at most
+
+
+def _mib(value: Optional[int]) -> str:
+    return "?" if value is None else f"{value / MIB:.1f}"
+
+
+def _clip(text: str, limit: int = REASON_CHARACTERS) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[:limit - 3].rstrip(" ,;:") + "..."
+
+
+def short_reason(report: dict) -> str:
+    """The gist of a report's reason, on one line.
+
+    Args:
+      report: a report from reports().
+
+    Returns:
+      At most REASON_CHARACTERS characters.
+    """
+    action = report.get("action")
+    reason = report.get("reason") or ""
+    if action == report_schema.ERROR:
+        return _clip("pass failed, graph unchanged: " + reason)
+    if report_schema.DEFERRED in reason:
+        return "deferred: Grappler never handed the graph over a second time"
+    if report.get("budget_bytes") is not None and report.get("budget_fits") is not None:
+        # The plan must fit a target below the budget: less the margin, what
+        # the device holds outside the graph and the allocator's slack.
+        target = re.search(r"plan target (-?[0-9]+) bytes", reason)
+        target = f"the {_mib(int(target.group(1)))} MiB target" if target else "the target"
+        if report["budget_fits"]:
+            return f"fits {target} (the budget less margin and allocator slack)"
+        least = report.get("achievable_peak_bytes")
+        return _clip(f"no plan reaches {target} (the budget less margin and allocator "
+                     "slack)" + (f"; least planned {_mib(least)} MiB" if least else ""))
+    if reason.startswith("training graph ("):
+        # "training graph (<why it is one>); <what the plan did>; ..."
+        depth, cut = 0, len(reason)
+        for i, c in enumerate(reason):
+            depth += {"(": 1, ")": -1}.get(c, 0)
+            if depth == 0 and c == ")":
+                cut = i + 1
+                break
+        reason = reason[cut:].lstrip("; ")
+    return _clip(reason.split("; ")[0] if reason else "no reason given")
+
+
+def summary_line(report: dict) -> str:
+    """One graph's summary line: name, action, peaks and budget in MiB, the
+    tensors swapped and recomputed, and the reason's gist.
+
+    Args:
+      report: a report from reports().
+
+    Returns:
+      One line of text.
+    """
+    parts = [f"{report.get('graph') or 'graph'}: {report.get('action')}"]
+    predicted = report.get("predicted_peak_bytes")
+    planned = report.get("planned_peak_bytes")
+    if predicted is not None:
+        peak = f"peak {_mib(predicted)}"
+        if planned is not None:
+            peak += f" -> {_mib(planned)}"
+        parts.append(peak + " MiB")
+    if report.get("budget_bytes") is not None:
+        parts.append(f"budget {_mib(report['budget_bytes'])} MiB")
+    if report.get("swapped") is not None or report.get("recomputed") is not None:
+        parts.append(f"swapped {len(report.get('swapped') or ())}, "
+                     f"recomputed {len(report.get('recomputed') or ())}")
+    return ", ".join(parts) + "; " + short_reason(report)
+
+
+def summary(all_graphs: bool = False) -> str:
+    """The text sntf.summary() returns: a header, then one line per training
+    graph (per graph with all_graphs=True).
+
+    Args:
+      all_graphs: list every graph, not only training steps.
+
+    Returns:
+      Lines of text joined by newlines.
+    """
+    state = config.current()
+    every = reports()
+    shown = [r for r in every if all_graphs or r.get("training")]
+    if state.enabled:
+        budget = "no budget" if state.budget is None else f"budget {state.budget.describe()}"
+        header = f"sntf: policy {state.policy!r}, {budget}"
+    else:
+        header = "sntf: disabled"
+    header += (f"; {sum(1 for r in every if r.get('training'))} training graph(s) "
+               f"of {len(every)} graph(s) seen")
+    lines = [header] + ["  " + summary_line(r) for r in shown]
+    if not any(r.get("training") for r in every):
+        causes = sorted(noops.warned())
+        lines.append("  no training graph reached sntf"
+                     + (f" (see the warnings logged: {', '.join(causes)})" if causes
+                        else "; docs/troubleshooting.md lists why that happens"))
+    return "\n".join(lines)

@@ -1,6 +1,6 @@
 """sntf_dump: train a Keras model for a step with sntf and dump what sntf saw.
 
-    tools/sntf_dump --model MODEL --batch B [--policy off] [--budget BUDGET]
+    tools/sntf_dump --model MODEL --batch B [--policy P] [--budget BUDGET]
                     [--out sntf_dump_out] [--steps 1]
     python -m sntf.tools.dump ...          (the same tool)
 
@@ -12,7 +12,8 @@ SparseCategoricalCrossentropy(from_logits=True)). The file may also define
 from the model's input shape and its loss (integer labels for sparse
 categorical losses, random targets of the output shape otherwise).
 
-The tool enables sntf with the policy, budget and batch, trains exactly
+The tool enables sntf with the policy ("auto" when only --budget is given,
+"off" when neither is), budget and batch, trains exactly
 steps * batch samples with `model.fit` in one process, and writes for every
 training graph sntf saw a folder OUT/graph_<k>/ with
 
@@ -28,7 +29,8 @@ training graph sntf saw a folder OUT/graph_<k>/ with
 
 plus OUT/summary.txt, also printed: per graph its nodes, predicted and
 planned peak, lower bound, pass time and actions, and the peak TensorFlow's
-device allocator measured for the whole run.
+device allocator measured for the whole run, set against the planned peak
+of the graph that ran (the rewritten one).
 
 Measurement set-up, as everywhere in sntf: TF_ENABLE_ONEDNN_OPTS=0 and
 TF_CPU_ALLOCATOR_USE_BFC=true unless already set (so the CPU allocator counts
@@ -66,6 +68,7 @@ from typing import Optional  # noqa: E402
 from absl import flags  # noqa: E402
 
 from sntf import config  # noqa: E402  (plain Python: no TensorFlow import)
+from sntf.runtime import environment  # noqa: E402  (likewise)
 from sntf.tools.dump_output import dump_graph, one_line, summary_lines  # noqa: E402
 
 PROG = "sntf_dump"
@@ -81,9 +84,9 @@ flags.DEFINE_string("model", None,
                     "build_model() or build_model(keras) (and optionally "
                     "make_data(n) -> (x, y))", flag_values=FLAGS)
 flags.DEFINE_integer("batch", None, "batch size (required, > 0)", flag_values=FLAGS)
-flags.DEFINE_string("policy", "off",
-                    "sntf policy: " + ", ".join(config.POLICIES),
-                    flag_values=FLAGS)
+flags.DEFINE_string("policy", None,
+                    "sntf policy: " + ", ".join(config.POLICIES) + " (default: "
+                    "auto with --budget, off without)", flag_values=FLAGS)
 flags.DEFINE_string("budget", None,
                     "device-memory budget passed to sntf: bytes, a size such "
                     "as 12GB or 512MiB, or a fraction of device memory such "
@@ -136,13 +139,17 @@ def parse_flags(argv: list) -> Settings:
         raise DumpError(f"--steps must be a positive integer, got {FLAGS.steps}")
     if not FLAGS.out:
         raise DumpError("--out must name a folder")
+    budget_text = FLAGS.budget if FLAGS.budget not in (None, "", "none", "None") else None
+    # A budget alone asks for a plan that fits it: policy "auto" plans one,
+    # "off" only reports.
+    policy_text = FLAGS.policy if FLAGS.policy is not None else (
+        "auto" if budget_text is not None else "off")
     try:
-        policy = config.parse_policy(FLAGS.policy)
+        policy = config.parse_policy(policy_text)
     except ValueError as e:
         raise DumpError(f"--policy: {e}") from None
-    budget_text = FLAGS.budget if FLAGS.budget not in (None, "", "none", "None") else None
     try:
-        budget = config.parse_budget(budget_text)
+        budget = config.parse_budget(budget_text, environment.device_memory_bytes())
     except ValueError as e:
         raise DumpError(f"--budget: {e}") from None
     model_path = check_model_path(FLAGS.model)
@@ -338,6 +345,55 @@ def make_data(model, module, n: int):
     return x, y, "synthesized"
 
 
+# ---------------------------------------------------------------- summary
+MIB = float(1 << 20)
+PREDICTED_VS_MEASURED = "predicted/measured "
+
+
+def ran_peak(report: dict) -> Optional[int]:
+    """The predicted peak of the graph that ran: the planned peak of the
+    rewritten graph, or the original's prediction when sntf handed it back
+    unchanged."""
+    if report.get("action") == "rewritten" and report.get("planned_peak_bytes"):
+        return report["planned_peak_bytes"]
+    return report.get("predicted_peak_bytes")
+
+
+def same_graph_comparison(lines: list, graphs: list, measured: Optional[int]) -> list:
+    """Sets each graph's prediction against the measured peak of the graph
+    that ran, not the original graph's when the rewritten one ran.
+
+    The shared summary (sntf.tools.dump_output) compares the original
+    graph's predicted peak with the measurement; here that figure becomes
+    the rewritten graph's planned peak over the measurement, labelled so.
+
+    Args:
+      lines: summary_lines' output.
+      graphs: the (report, dumped) pairs it was made from.
+      measured: the measured peak of the run, or None.
+
+    Returns:
+      The lines, with each graph's comparison made on the graph that ran.
+    """
+    out = list(lines)
+    for k, (report, _) in enumerate(graphs):
+        ran = ran_peak(report)
+        ratio = "n/a" if not ran or not measured else f"{ran / measured:.2f}"
+        what = ("planned (rewritten graph, which ran)"
+                if report.get("action") == "rewritten" else "predicted (graph ran unchanged)")
+        head = next((i for i, line in enumerate(out) if line.startswith(f"graph_{k}: ")), None)
+        if head is None:
+            continue
+        for i in range(head + 1, len(out)):
+            if PREDICTED_VS_MEASURED in out[i]:
+                out[i] = (out[i][:out[i].index(PREDICTED_VS_MEASURED)]
+                          + f"{what}/measured {ratio}")
+                break
+            if out[i].startswith("graph_"):
+                break
+    return out
+
+
 # ---------------------------------------------------------------- main
 def run(settings: Settings) -> int:
     """Trains, dumps and summarizes; returns the exit status."""
@@ -382,8 +438,6 @@ def run(settings: Settings) -> int:
 
     budget_bytes = None
     if settings.budget is not None:
-        from sntf.runtime import environment
-
         budget_bytes = settings.budget.resolve(environment.device_memory_bytes())
     label = f"{model.name} ({os.path.basename(settings.model_path)})"
     os.makedirs(settings.out, exist_ok=True)
@@ -409,7 +463,7 @@ def run(settings: Settings) -> int:
                 f"make_data({n}) from the model file" if source == "make_data"
                 else f"{n} random samples shaped like the model's inputs"),
             "notes": notes}
-    lines = summary_lines(info, graphs)
+    lines = same_graph_comparison(summary_lines(info, graphs), graphs, measured)
     text = "\n".join(lines) + "\n"
     with open(os.path.join(settings.out, "summary.txt"), "w", encoding="utf-8") as f:
         f.write(text)
