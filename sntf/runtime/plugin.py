@@ -345,7 +345,16 @@ def short_reason(report: dict) -> str:
                 cut = i + 1
                 break
         reason = reason[cut:].lstrip("; ")
-    return _clip(reason.split("; ")[0] if reason else "no reason given")
+    if not reason:
+        return "no reason given"
+    # Whole notes while they fit on the line, else the first one clipped.
+    notes = reason.split("; ")
+    text = notes[0]
+    for note in notes[1:]:
+        if len(text) + 2 + len(note) > REASON_CHARACTERS:
+            break
+        text += "; " + note
+    return _clip(text)
 
 
 def summary_line(report: dict) -> str:
