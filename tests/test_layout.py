@@ -21,10 +21,11 @@ ALLOWED = {
     "sntf.report": {"sntf.graph", "sntf.planner"},
     "sntf.passes": {"sntf.graph", "sntf.analysis", "sntf.planner", "sntf.rewrite",
                     "sntf.report", "sntf.config"},
-    "sntf.config": set(),
+    "sntf.config": {"sntf.sizes"},
+    "sntf.sizes": set(),
 }
 PURE_STAGES = ("sntf.graph", "sntf.analysis", "sntf.planner", "sntf.rewrite",
-               "sntf.report", "sntf.passes", "sntf.config")
+               "sntf.report", "sntf.passes", "sntf.config", "sntf.sizes")
 
 
 def _python_files(root):
