@@ -421,3 +421,21 @@ def test_import_sntf_makes_ops_available():
 
 def test_startup_module_is_importable_from_the_repository():
     assert os.path.isfile(os.path.join(REPO, "sntf_startup.py"))
+
+
+def test_pool_fallback_warning_reads_the_loaded_op_library(monkeypatch, caplog):
+    """The fallback warning reads the swap kernels' counters once the op
+    library is loaded: it must see the library loaded (and warn once), not
+    skip for want of an attribute the loader no longer has."""
+    from sntf.runtime import native, noops
+
+    native.load_ops()
+    assert native.ops_loaded()
+    monkeypatch.setattr(native, "swap_stats", lambda: {"pool_fallbacks": 2})
+    monkeypatch.setattr(native, "pool_stats", lambda: {"limit_bytes": 4096})
+    monkeypatch.setattr(noops, "_warned", set())
+    with caplog.at_level("WARNING", logger="sntf"):
+        noops.check_pool_fallbacks()
+        noops.check_pool_fallbacks()
+    lines = [r.getMessage() for r in caplog.records if "could not hold" in r.getMessage()]
+    assert len(lines) == 1 and "limit 4096 bytes" in lines[0] and "2 swapped" in lines[0]

@@ -122,6 +122,12 @@ def load_ops() -> Any:
     return _loaded["module"]
 
 
+def ops_loaded() -> bool:
+    """Whether the op library is loaded in this process (no swap kernel can
+    have run before it is)."""
+    return _loaded["module"] is not None
+
+
 def ops_cdll() -> ctypes.CDLL:
     """The op library opened with ctypes (loaded through load_ops first)."""
     load_ops()

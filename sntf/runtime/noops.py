@@ -320,7 +320,7 @@ def check_pool_fallbacks(swap: Optional[dict] = None, pool: Optional[dict] = Non
     if "pool_fallback" in _warned:
         return
     native = sys.modules.get("sntf.runtime.native")
-    if native is None or getattr(native, "_ops_module", None) is None:
+    if native is None or not native.ops_loaded():
         return  # the op library is not loaded: no swap ran
     try:
         swap = swap if swap is not None else native.swap_stats()
