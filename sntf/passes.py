@@ -228,7 +228,7 @@ def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,
 def _context(state: config.State, env: Environment, budget: Optional[int], index,
              report: dict) -> planner.Context:
     return planner.Context(
-        evaluate=rewrite.evaluator(env.threads),
+        evaluate=rewrite.evaluator(env.threads, _onednn(env, index)),
         recompute_mode=state.options.recompute_mode,
         swap_min_bytes=state.options.swap_min_bytes,
         bandwidth=_link_bandwidth(state, index),
@@ -293,7 +293,8 @@ def _analyze(graph_def, index, state: config.State, properties: Optional[Propert
                     "a batch of 1 (pass sntf.enable(..., batch_size=N))")
         report["batch_source"] = source
         with reports.timed(report, "analysis"):
-            base = analysis.analyze_graph(graph_def, index, props, batch, env.threads)
+            base = analysis.analyze_graph(graph_def, index, props, batch, env.threads,
+                                          _onednn(env, index))
     except Exception as e:  # noqa: BLE001 - the analysis must not fail the graph
         report["analysis_error"] = f"{type(e).__name__}: {e}"
         return None
@@ -302,6 +303,12 @@ def _analyze(graph_def, index, state: config.State, properties: Optional[Propert
     report["lower_bound_bytes"] = base.facts.lower_bound_bytes
     report["analysis"] = base.facts.summary()
     return base
+
+
+def _onednn(env: Environment, index) -> bool:
+    """Whether oneDNN's kernels run this graph's convolutions (they serve
+    the CPU only; a GPU graph's convolutions are TensorFlow's own)."""
+    return env.onednn and not _on_gpu(index)
 
 
 def _on_gpu(index) -> bool:

@@ -432,8 +432,36 @@ def test_budget_plans_leave_the_largest_scratch_buffer_as_slack():
     assert budget_planning.allocator_slack(mlp_facts) == 0
     state = config.State(enabled=True, policy="auto",
                          budget=config.Budget(bytes=256 * MIB), options=STATE.options)
+    # TensorFlow's own convolution kernels (oneDNN's take no im2col buffer
+    # from the allocator: see the next test).
     report = passes.run_pass(g.SerializeToString(), ["loss_retval"], [], state,
-                             properties_fn(props)).report
+                             properties_fn(props),
+                             env=passes.Environment(onednn=False)).report
     # 256 MiB less the 10% margin (241591910 bytes) less the slack.
     assert "plan target 222017126 bytes" in report["reason"], report["reason"]
     assert f"{slack} bytes of allocator slack" in report["reason"]
+
+
+def test_under_onednn_convolutions_take_no_im2col_scratch():
+    """oneDNN replaces the CPU convolution kernels by its own, which keep
+    their scratch outside TensorFlow's allocator: neither the timeline nor
+    the plan target counts an im2col buffer then. A GPU graph's
+    convolutions are TensorFlow's whatever the flag says."""
+    g, props = _conv_step()
+    idx = G.build_index(g, ["loss_retval"])
+    with_scratch = analysis.analyze(idx, props)
+    without = analysis.analyze(idx, props, onednn=True)
+    assert budget_planning.allocator_slack(without) == 0
+    assert without.predicted_peak_bytes < with_scratch.predicted_peak_bytes
+    state = config.State(enabled=True, policy="auto",
+                         budget=config.Budget(bytes=256 * MIB), options=STATE.options)
+
+    def reason(graph):
+        return passes.run_pass(graph.SerializeToString(), ["loss_retval"], [], state,
+                               properties_fn(props),
+                               env=passes.Environment(onednn=True)).report["reason"]
+
+    assert "0 bytes of allocator slack" in reason(g)
+    for node in g.node:
+        node.device = "/job:localhost/replica:0/task:0/device:GPU:0"
+    assert "19574784 bytes of allocator slack" in reason(g)

@@ -57,7 +57,8 @@ class Analyzed:
 
 
 def analyze_graph(graph_def, index: GraphIndex, props: Properties,
-                  batch: Optional[int], threads: Optional[int]) -> Analyzed:
+                  batch: Optional[int], threads: Optional[int],
+                  onednn: bool = False) -> Analyzed:
     """Analyzes a graph whose properties may lack sntf's generated nodes.
 
     Args:
@@ -66,10 +67,12 @@ def analyze_graph(graph_def, index: GraphIndex, props: Properties,
       props: decoded static properties of the graph the nodes came from.
       batch: the batch that resolves unknown batch dimensions.
       threads: intra-op threads of the device.
+      onednn: whether TensorFlow's oneDNN graph pass runs.
 
     Returns:
       The Analyzed graph.
     """
     extended = with_generated(props, index)
     return Analyzed(graph_def, index, extended,
-                    analyze(index, extended, batch=batch, threads=threads))
+                    analyze(index, extended, batch=batch, threads=threads,
+                            onednn=onednn))

@@ -78,7 +78,7 @@ def _conv_col_buffer(batch: int, out_image: int, filter_total: int,
 
 def workspace_bytes(op: str, input_shapes: Sequence[Optional[tuple]],
                     output_shapes: Sequence[Optional[tuple]], itemsize: int,
-                    threads: int) -> int:
+                    threads: int, onednn: bool = False) -> int:
     """Temporary bytes an op allocates while it runs (0 where not modeled).
 
     Args:
@@ -86,12 +86,16 @@ def workspace_bytes(op: str, input_shapes: Sequence[Optional[tuple]],
       input_shapes, output_shapes: concrete shapes (batch resolved) or None.
       itemsize: bytes per element of the op's main dtype.
       threads: intra-op threads of the device.
+      onednn: whether TensorFlow's oneDNN graph pass runs: it replaces the
+        CPU convolutions by its own kernels (_MklNativeConv2DBackpropFilter
+        and the like), which take no im2col buffer from TensorFlow's
+        allocator.
 
     Returns:
       Bytes of scratch memory.
     """
     if (op in (optable.CONV_BACKPROP_INPUT_OP, optable.CONV_BACKPROP_FILTER_OP)
-            and len(input_shapes) >= 3):
+            and len(input_shapes) >= 3 and not onednn):
         dy = input_shapes[2]
         if op == optable.CONV_BACKPROP_INPUT_OP:
             filt = input_shapes[1]

@@ -138,7 +138,7 @@ class Analysis:
 
 def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
             cost_model: CostModel = DEFAULT_COST_MODEL,
-            threads: Optional[int] = None) -> Analysis:
+            threads: Optional[int] = None, onednn: bool = False) -> Analysis:
     """Predicts the memory timeline of one step of a graph.
 
     Args:
@@ -149,6 +149,8 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
       cost_model: machine constants for op times.
       threads: intra-op threads of the device (the size of convolution
         scratch buffers depends on it); None: this machine's CPU count.
+      onednn: whether TensorFlow's oneDNN graph pass runs (it swaps the
+        CPU convolution kernels, and with them their scratch memory).
 
     Returns:
       The Analysis.
@@ -162,7 +164,7 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
     properties = resolve_symbolic_dims(g, properties)
     sizes, unknown = _sizes(g, properties, batch)
     live = _Liveness(g, order, properties, sizes)
-    live.add_scratch(batch, threads)
+    live.add_scratch(batch, threads, onednn)
     klass = _classes(g, phases, live)
     end = len(order)
     intervals = live.intervals()
@@ -349,14 +351,14 @@ class _Liveness:
         outs = self.properties.get(self.g.names[i])
         return optable.DTYPE_BYTES.get(outs[0][0], 4) if outs else 4
 
-    def add_scratch(self, batch: Optional[int], threads: int) -> None:
+    def add_scratch(self, batch: Optional[int], threads: int, onednn: bool) -> None:
         """Scratch buffers: live only while their op runs."""
         for s, i in enumerate(self.order):
             outs = self.properties.get(self.g.names[i], ())
             ws = workspace_bytes(self.g.ops[i],
                                  [concrete(x, batch) for x in self.input_shapes(i)],
                                  [concrete(o[1], batch) for o in outs],
-                                 self.itemsize(i), threads)
+                                 self.itemsize(i), threads, onednn)
             if ws:
                 b = (i, SCRATCH_PORT)
                 self.buffer_bytes[b] = rounded(ws)

@@ -15,12 +15,13 @@ from sntf.rewrite.validate import validate
 __all__ = ["RewriteResult", "apply_plan", "evaluator", "set_cache_limits", "validate"]
 
 
-def evaluator(threads: Optional[int]):
+def evaluator(threads: Optional[int], onednn: bool = False):
     """The planner's Context.evaluate: applies a plan to an analyzed graph,
     validates the result and analyzes it.
 
     Args:
       threads: intra-op threads of the device, for the analysis.
+      onednn: whether TensorFlow's oneDNN graph pass runs, for the analysis.
 
     Returns:
       A callable (plan, Analyzed) -> Analyzed of the rewritten graph, or
@@ -33,6 +34,6 @@ def evaluator(threads: Optional[int]):
             return None
         index = validate(result.graph_def, base.index)
         return analyze_graph(result.graph_def, index, base.props, base.facts.batch,
-                             threads)
+                             threads, onednn)
 
     return evaluate
