@@ -32,7 +32,7 @@ def case_specs(policies=POLICIES):
         layers = _draw_layers(draw, st, kind, two_devices, dims)
         budget = draw(st.one_of(
             st.none(), st.integers(1, 1 << 16), st.integers(1 << 16, 1 << 26),
-            st.sampled_from((0.5, 1.0, "1KiB", "64MiB", "2TB"))))
+            st.sampled_from((0.5, 1.0, 1024, "64MiB", "2TB"))))
         return {
             "kind": kind,
             "hw": draw(st.integers(2, 12)) if kind == "conv" else None,
