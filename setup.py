@@ -29,7 +29,8 @@ from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 from setuptools.command.develop import develop
 
-TF_REQUIREMENT = "tensorflow>=2.21,<2.22"
+# The releases benchmarks/tf_versions.sh builds and smoke-tests.
+TF_REQUIREMENT = "tensorflow>=2.19,<2.22"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
