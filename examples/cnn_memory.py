@@ -16,7 +16,6 @@ executor's order (and so the peak) repeats from run to run. Tensors parked in sn
 not device memory, just as pinned host memory does not count against a GPU.
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -103,21 +102,31 @@ def run_child(policy, batch, steps, budget=None):
     raise SystemExit(f"the {policy!r} run failed (exit code {proc.returncode})")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policy", default="auto", help="sntf policy (default: auto)")
-    parser.add_argument("--fraction", type=float, default=0.75,
-                        help="budget as a fraction of TensorFlow's measured peak")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+def _define_flags(flags) -> None:
+    """The example's flags (absl, like every sntf tool). Defined only when the
+    example runs as a script: tools/sntf_dump imports it for build_model."""
+    flags.DEFINE_string("policy", "auto", "sntf policy")
+    flags.DEFINE_float("fraction", 0.75,
+                       "budget as a fraction of TensorFlow's measured peak, in (0, 1]",
+                       lower_bound=0.0, upper_bound=1.0)
+    flags.DEFINE_integer("batch", 64, "batch size", lower_bound=1)
+    flags.DEFINE_integer("steps", 10, "training steps", lower_bound=1)
+    # Internal: the fresh child processes the example starts.
+    flags.DEFINE_string("child", None, "(internal) train one configuration")
+    flags.DEFINE_integer("budget", None, "(internal) the child's budget in bytes")
+
+
+def main(argv):
+    from absl import flags
+
+    args = flags.FLAGS
+    if len(argv) > 1:
+        raise SystemExit(f"unexpected arguments: {' '.join(argv[1:])}")
     if args.child is not None:
         train(args.child, args.batch, args.steps, args.budget)
         return
-    if not 0 < args.fraction <= 1:
-        parser.error(f"--fraction must lie in (0, 1], got {args.fraction}")
+    if args.fraction == 0:
+        raise SystemExit(f"--fraction must lie in (0, 1], got {args.fraction}")
     print(f"Training the same Keras CNN twice (batch {args.batch}, {args.steps} "
           "steps), each in a fresh process ...")
     base = run_child("none", args.batch, args.steps)
@@ -139,4 +148,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from absl import app, flags
+
+    _define_flags(flags)
+    app.run(main)

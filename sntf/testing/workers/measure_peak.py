@@ -138,7 +138,13 @@ class _Zoo:
         self.module, self.name = module, name
 
     def build(self, family, depth=None, remat=None, run_eagerly=False):
-        return self.module.build(self.name)
+        # --depth sets the number of blocks where the architecture has them.
+        import inspect
+
+        takes_blocks = "blocks" in inspect.signature(self.module._BUILDERS[self.name]).parameters
+        if depth is not None and not takes_blocks:
+            raise ValueError(f"--depth: zoo architecture {self.name!r} has no blocks option")
+        return self.module.build(self.name, **({"blocks": depth} if depth else {}))
 
     def make_data(self, family, n, seed=0):
         return self.module.make_data(self.name, n, seed=seed)
