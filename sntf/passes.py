@@ -41,8 +41,11 @@ class Environment:
       onednn: whether TensorFlow's oneDNN graph rewrites run (they pair
         forward ops with their gradients).
       runtime_batch: the batch of the input Keras' fit() is feeding, or None.
-      device_memory: gpu (bool) -> the device's memory in bytes (budget
-        fractions resolve against it).
+      device_memory: device ("CPU:0", "GPU:1") -> the memory its allocator
+        may hand out, in bytes (budget fractions resolve against it).
+      allocator_limit: device name -> its TensorFlow allocator's byte
+        limit, or None where none was read (budget "auto" on the CPU binds
+        only under such a limit: TF_CPU_BFC_MEM_LIMIT_IN_MB).
       in_use: device name -> its allocator's bytes in use now, or None
         where the allocator keeps no statistics.
       xla_auto_jit: whether XLA auto-clustering may compile the graph after
@@ -52,7 +55,8 @@ class Environment:
     threads: int = 1
     onednn: bool = True
     runtime_batch: Optional[int] = None
-    device_memory: Callable[[bool], int] = lambda gpu: 0
+    device_memory: Callable[[str], int] = lambda device: 0
+    allocator_limit: Callable[[str], Optional[int]] = lambda device: None
     in_use: Optional[Callable[[str], Optional[int]]] = None
     xla_auto_jit: bool = False
 
@@ -311,6 +315,17 @@ def _onednn(env: Environment, index) -> bool:
     return env.onednn and not _on_gpu(index)
 
 
+def graph_device(index) -> str:
+    """The device whose memory a graph's budget is about: its first GPU
+    ("GPU:1" for a graph placed on /device:GPU:1), else "CPU:0"."""
+    for device in index.devices:
+        upper = (device or "").upper()
+        if "GPU:" in upper:
+            index_text = upper.rsplit("GPU:", 1)[1].split("/")[0]
+            return f"GPU:{int(index_text)}" if index_text.isdigit() else "GPU:0"
+    return "CPU:0"
+
+
 def _on_gpu(index) -> bool:
     """Whether any node of the graph is placed on a GPU."""
     return any("GPU" in d.upper() for d in index.devices if d)
@@ -321,10 +336,11 @@ def _budget_bytes(state: config.State, index, env: Environment) -> Optional[int]
     and for budget "auto" on a CPU graph)."""
     if state.budget is None:
         return None
-    gpu = _on_gpu(index)
-    if state.budget.auto and not gpu:
-        return None
-    return state.budget.resolve(env.device_memory(gpu))
+    device = graph_device(index)
+    if state.budget.auto and device.startswith("CPU"):
+        limit = env.allocator_limit(device)
+        return state.budget.resolve(limit) if limit else None
+    return state.budget.resolve(env.device_memory(device))
 
 
 def _link_bandwidth(state: config.State, index) -> float:
@@ -345,7 +361,7 @@ def _outside_bytes(index, facts, in_use) -> Optional[int]:
     the analysis counts as persistent). None when the allocator keeps no
     statistics."""
     try:
-        current = in_use("GPU:0" if _on_gpu(index) else "CPU:0")
+        current = in_use(graph_device(index))
     except Exception:  # noqa: BLE001 - statistics are an aid, never a failure
         return None
     if current is None:

@@ -33,7 +33,8 @@ BUDGET_FORMS = ("a number of bytes of at least 1 MiB (an int such as 12000000000
                 "or a float above 1 such as 8e9), "
                 "a size string such as '12GB', '512MiB' or '1.5GiB', "
                 "a fraction of device memory in (0, 1] (a float such as 0.5, or '50%'), "
-                "'auto' (the GPU's memory on a GPU; no budget on CPU), "
+                "'auto' (what the device's allocator may hand out: the GPU's memory, or "
+                "the CPU's under TF_CPU_BFC_MEM_LIMIT_IN_MB; else no budget on CPU), "
                 "or None for no budget")
 SIZE_UNITS = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
 
@@ -41,8 +42,9 @@ SIZE_UNITS = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
 @dataclasses.dataclass(frozen=True)
 class Budget:
     """A memory budget: absolute bytes, a fraction of device memory, or
-    "auto" (all of a GPU's memory; no budget for a graph on the CPU, where
-    device memory is the host's RAM and the policy's own default applies)."""
+    "auto" (all that the device's TensorFlow allocator may hand out; for a
+    graph on the CPU only under a BFC allocator limit, else no budget: the
+    CPU's memory is the host's RAM, and the policy's own default applies)."""
 
     bytes: Optional[int] = None
     fraction: Optional[float] = None
@@ -52,7 +54,8 @@ class Budget:
         """Returns the budget in bytes for a device with the given memory.
 
         Args:
-          device_memory_bytes: total memory of the device the graph runs on.
+          device_memory_bytes: what the allocator of the graph's device may
+            hand out (its bytes_limit where read, else the device's total).
 
         Returns:
           The budget in bytes.
@@ -68,7 +71,7 @@ class Budget:
         if self.bytes is not None:
             return f"{self.bytes} bytes ({self.bytes / 2**20:.1f} MiB)"
         if self.auto:
-            return "auto (the GPU's memory; none on CPU)"
+            return "auto (all the device's allocator may hand out)"
         return f"{self.fraction:g} of device memory"
 
     def to_user(self) -> Union[int, float, str]:

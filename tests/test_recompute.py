@@ -347,7 +347,10 @@ def test_densenet_memory_centric_stays_below_speed_centric_after_the_first_step(
     memory = measure("densenet", 32, steps=3, policy="recompute",
                      recompute_mode="memory")
     steps = memory["step_peaks_bytes"]
-    assert steps[-1] <= steps[0] + (1 << 20), steps
+    # The fragmentation this guards against added over a quarter from the
+    # second step on; identical steps still differ by a MiB or so (about 2%:
+    # 77.7 then 79.1 MiB) with the allocator's history.
+    assert steps[-1] <= steps[0] * 1.03, steps
     assert memory["measured_peak_bytes"] <= speed["measured_peak_bytes"], (
         memory["measured_peak_bytes"], speed["measured_peak_bytes"])
     planned = memory["planned_peak_bytes"] / memory["measured_peak_bytes"]

@@ -20,6 +20,10 @@ logger = logging.getLogger("sntf")
 # dimension is unknown and no batch_size option was given.
 _runtime_batch: list = [None]
 _gpu_total: list = []
+# Device ("CPU:0", "GPU:1") -> its TensorFlow allocator's bytes_limit, read by
+# record_device_limits().
+_device_limits: dict = {}
+_limits_read: list = [False]
 _settings_lock = threading.Lock()
 _set_by_sntf: dict = {}       # environment variable -> the value sntf set
 # Name of the Keras model whose fit() is running (set by the Keras hook):
@@ -99,22 +103,94 @@ def onednn_enabled() -> bool:
         return True
 
 
-def device_memory_bytes(gpu: bool = False) -> int:
-    """Total memory of the device a graph runs on.
+def device_memory_bytes(device: str = "CPU:0") -> int:
+    """The memory a device's TensorFlow allocator may hand out, which budget
+    fractions and "auto" resolve against.
 
     Args:
-      gpu: the graph is placed on a GPU.
+      device: "CPU:0", "GPU:1" and the like (a graph's device).
 
     Returns:
-      The first GPU's total memory (cudaMemGetInfo of the CUDA runtime
-      TensorFlow loaded) for a GPU graph; physical RAM for a CPU graph, or
-      when the CUDA runtime cannot be asked (a warning says so once).
+      The allocator's bytes_limit where record_device_limits() has read it:
+      on a GPU what its BFC allocator may hand out, cut by memory_limit or a
+      logical-device configuration; on CPU the limit of the BFC allocator
+      under TF_CPU_BFC_MEM_LIMIT_IN_MB. Else, for a GPU, cudaMemGetInfo's
+      total of the current GPU (a warning says so once), and physical RAM
+      for the CPU or when the CUDA runtime cannot be asked.
     """
-    if gpu:
+    if isinstance(device, bool):    # the former signature: gpu or not
+        device = "GPU:0" if device else "CPU:0"
+    with _settings_lock:
+        limit = _device_limits.get(_short_device(device))
+    if limit:
+        return limit
+    if _short_device(device).startswith("GPU"):
         total = _gpu_memory_bytes()
         if total:
             return total
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def allocator_limit(device: str) -> Optional[int]:
+    """The byte limit record_device_limits() read for a device, or None."""
+    with _settings_lock:
+        return _device_limits.get(_short_device(device))
+
+
+def record_device_limits_if_initialized() -> None:
+    """record_device_limits(), but only where TensorFlow's devices exist
+    already (enable() must not be what creates them)."""
+    try:
+        from tensorflow.python.eager import context
+
+        if context.context()._context_handle is None:  # noqa: SLF001
+            return
+    except Exception:  # noqa: BLE001 - a private API; then wait for fit()
+        return
+    record_device_limits()
+
+
+def _short_device(device: str) -> str:
+    """'/job:localhost/replica:0/task:0/device:GPU:1' -> 'GPU:1'."""
+    parts = device.upper().split("DEVICE:")[-1].lstrip("/").split(":")
+    if len(parts) >= 2 and parts[-1].isdigit():
+        return f"{parts[-2]}:{parts[-1]}"
+    return parts[0] + ":0"
+
+
+def record_device_limits() -> dict:
+    """Reads the byte limit of every local device's allocator, once devices
+    exist (the Keras fit hook calls it before training): reading it runs a
+    small op, which would initialize TensorFlow's devices if enable() did it
+    (and so forbid the user's own tf.config device settings after it), and
+    must not run inside Grappler's graph pass.
+
+    Returns:
+      device ("CPU:0", "GPU:0", ...) -> bytes, for the devices that report
+      a limit.
+    """
+    from sntf.runtime import native
+
+    with _settings_lock:
+        if _limits_read[0]:
+            return dict(_device_limits)
+    try:
+        import tensorflow as tf
+
+        names = ["CPU:0"] + [f"GPU:{i}" for i, _ in
+                             enumerate(tf.config.list_logical_devices("GPU"))]
+        found = {}
+        for name in names:
+            limit = native.device_bytes_limit(name)
+            if limit:
+                found[name] = int(limit)
+    except Exception as e:  # noqa: BLE001 - fall back to the device totals
+        logger.debug("allocator limits unavailable: %s", e)
+        return {}
+    with _settings_lock:
+        _device_limits.update(found)
+        _limits_read[0] = True
+    return found
 
 
 def _gpu_memory_bytes() -> Optional[int]:
@@ -161,6 +237,7 @@ def current():
     return Environment(threads=os.cpu_count() or 1, onednn=onednn_enabled(),
                        runtime_batch=runtime_batch(),
                        device_memory=device_memory_bytes, in_use=device_in_use,
+                       allocator_limit=allocator_limit,
                        xla_auto_jit=xla.auto_clustering_on())
 
 

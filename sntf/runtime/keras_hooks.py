@@ -83,6 +83,10 @@ def install_fit_hook() -> bool:
         def fit(self, *args, **kwargs):
             try:
                 noops.check_fit(self)
+                if config.current().enabled:
+                    # Devices exist by now: budgets resolve against what
+                    # their allocators may hand out.
+                    environment.record_device_limits()
             except Exception:  # noqa: BLE001 - a warning must never break fit()
                 pass
             outer = environment.fit_model()

@@ -1,0 +1,92 @@
+"""Budgets resolve against what the graph's device allocator may hand out:
+its bytes_limit (a GPU's after memory_limit, the CPU's under a BFC limit),
+for the device the graph is placed on, not a hard-coded GPU:0."""
+
+import pytest
+
+from graphs import mlp_step, properties_fn
+from sntf import config, passes
+from sntf.runtime import environment
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("devices, expected", [
+    ((), "CPU:0"),
+    (("/job:localhost/replica:0/task:0/device:CPU:0",), "CPU:0"),
+    (("/job:localhost/replica:0/task:0/device:GPU:1",), "GPU:1"),
+    (("", "/device:CPU:0", "/device:GPU:0"), "GPU:0"),
+    (("/device:gpu:3",), "GPU:3"),
+])
+def test_graph_device_names_the_graphs_gpu(devices, expected):
+    class Index:
+        pass
+
+    index = Index()
+    index.devices = devices
+    assert passes.graph_device(index) == expected
+
+
+@pytest.mark.parametrize("name, short", [
+    ("CPU:0", "CPU:0"), ("GPU:1", "GPU:1"),
+    ("/job:localhost/replica:0/task:0/device:GPU:2", "GPU:2"), ("/device:CPU:0", "CPU:0"),
+])
+def test_device_names_shorten(name, short):
+    assert environment._short_device(name) == short
+
+
+def _budget_report(budget, device, env):
+    g, props = mlp_step()
+    for node in g.node:
+        node.device = device
+    state = config.State(enabled=True, policy="auto", budget=budget,
+                         options=config.parse_options({}))
+    return passes.run_pass(g.SerializeToString(), ["ret"], [], state,
+                           properties_fn(props), env=env).report
+
+
+def test_fractions_resolve_against_the_graphs_own_device():
+    limits = {"GPU:0": 1000 * MIB, "GPU:1": 200 * MIB, "CPU:0": 64 * 1024 * MIB}
+    env = passes.Environment(device_memory=lambda d: limits[d])
+    on_gpu1 = _budget_report(config.Budget(fraction=0.5),
+                             "/job:localhost/replica:0/task:0/device:GPU:1", env)
+    assert on_gpu1["budget_bytes"] == 100 * MIB
+    auto = _budget_report(config.Budget(auto=True),
+                          "/job:localhost/replica:0/task:0/device:GPU:1", env)
+    assert auto["budget_bytes"] == 200 * MIB
+
+
+def test_auto_binds_on_the_cpu_only_under_an_allocator_limit():
+    cpu = "/job:localhost/replica:0/task:0/device:CPU:0"
+    unlimited = passes.Environment(device_memory=lambda d: 64 * 1024 * MIB)
+    assert _budget_report(config.Budget(auto=True), cpu, unlimited)["budget_bytes"] is None
+    limited = passes.Environment(device_memory=lambda d: 300 * MIB,
+                                 allocator_limit=lambda d: 300 * MIB)
+    assert _budget_report(config.Budget(auto=True), cpu, limited)["budget_bytes"] == 300 * MIB
+
+
+@pytest.mark.slow
+def test_fit_reads_the_cpu_allocator_limit(fresh_python):
+    """Under TF_CPU_BFC_MEM_LIMIT_IN_MB the CPU allocator's bytes_limit is
+    what budget "auto" and fractions resolve against, read when fit()
+    starts (enable() creates no device)."""
+    run = fresh_python("""
+        import json
+        import numpy as np
+        import keras
+        import sntf
+        from sntf.runtime import environment
+        sntf.enable(policy="auto", budget="auto")
+        before = environment.allocator_limit("CPU:0")
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        model.compile("sgd", "mse")
+        model.fit(np.zeros((16, 8), np.float32), np.zeros((16, 4), np.float32),
+                  epochs=1, verbose=0)
+        budgets = [r["budget_bytes"] for r in sntf.reports() if r["training"]]
+        print("RESULT " + json.dumps({"before": before, "budgets": budgets,
+                                      "after": environment.allocator_limit("CPU:0")}))
+        """, env={"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "300"})
+    result = run.result()
+    assert result["before"] is None
+    assert result["after"] == 300 * MIB
+    assert result["budgets"] and set(result["budgets"]) == {300 * MIB}
