@@ -225,6 +225,9 @@ def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,
     if base is None:
         return planner.Outcome(planner.identity_plan(
             state.policy, "no analysis: graph left unchanged"))
+    fits = _fits_device_limit(state, base, index, env, budget, report)
+    if fits is not None:
+        return planner.Outcome(planner.identity_plan(state.policy, fits))
     ctx = _context(state, env, budget, index, report)
     return planner.plan(state.policy, base, ctx, report["graph"])
 
@@ -313,6 +316,32 @@ def _onednn(env: Environment, index) -> bool:
     """Whether oneDNN's kernels run this graph's convolutions (they serve
     the CPU only; a GPU graph's convolutions are TensorFlow's own)."""
     return env.onednn and not _on_gpu(index)
+
+
+def _fits_device_limit(state: config.State, base: Analyzed, index, env: Environment,
+                       budget: Optional[int], report: dict) -> Optional[str]:
+    """Policy "auto" without a budget, on a device whose allocator has a
+    limit (a GPU's, or the CPU's under TF_CPU_BFC_MEM_LIMIT_IN_MB): a graph
+    predicted to fit under it, less the analysis' margin and what the
+    device holds outside the graph, is left as it is (no overhead where
+    nothing is needed); one that does not is planned as low as the policy
+    goes. Returns the note of an unchanged graph, or None."""
+    if state.policy != "auto" or budget is not None or state.budget is not None:
+        return None
+    device = graph_device(index)
+    limit = env.allocator_limit(device)
+    if not limit:
+        return None
+    outside = (_outside_bytes(index, base.facts, env.in_use) or 0) if env.in_use else 0
+    room = int(limit * (1.0 - state.options.budget_margin)) - outside
+    peak = base.facts.budget_peak_bytes
+    report["device_limit_bytes"] = limit
+    if peak > room:
+        return None
+    return (f"auto without a budget: the predicted peak {peak} bytes fits {device}'s "
+            f"allocator limit of {limit} bytes (less the margin "
+            f"{state.options.budget_margin:g} and {outside} bytes held outside the "
+            "graph), so the graph is left as it is")
 
 
 def graph_device(index) -> str:

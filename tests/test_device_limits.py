@@ -90,3 +90,27 @@ def test_fit_reads_the_cpu_allocator_limit(fresh_python):
     assert result["before"] is None
     assert result["after"] == 300 * MIB
     assert result["budgets"] and set(result["budgets"]) == {300 * MIB}
+
+
+def _auto_without_budget(limit):
+    g, props = mlp_step()
+    state = config.State(enabled=True, policy="auto", budget=None,
+                         options=config.parse_options({}))
+    env = passes.Environment(allocator_limit=lambda d: limit)
+    return passes.run_pass(g.SerializeToString(), ["ret"], [], state,
+                           properties_fn(props), env=env).report
+
+
+def test_auto_without_budget_leaves_a_graph_that_fits_the_device_limit():
+    """enable() alone on a device with a limit: no overhead where the step
+    fits it, and the lowest plan where it does not."""
+    unlimited = _auto_without_budget(None)
+    assert unlimited["action"] == "rewritten", unlimited["reason"]
+    peak = unlimited["predicted_peak_bytes"]
+    roomy = _auto_without_budget(2 * peak)
+    assert roomy["action"] == "unchanged", roomy["reason"]
+    assert "fits CPU:0's allocator limit" in roomy["reason"]
+    assert roomy["device_limit_bytes"] == 2 * peak
+    tight = _auto_without_budget(peak // 2)
+    assert tight["action"] == "rewritten", tight["reason"]
+    assert tight["planned_peak_bytes"] == unlimited["planned_peak_bytes"]
