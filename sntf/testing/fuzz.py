@@ -283,6 +283,9 @@ def _corrupt(graph_def) -> None:
             neg.name, neg.op, neg.device = "fuzz_fault/neg", "Neg", node.device
             neg.input.append(text)
             neg.attr["T"].CopyFrom(generated[source].attr["T"])
+            # Marked as sntf's own, so that only the values can give it away
+            # (an unmarked node fails the structural checks first).
+            neg.attr[names.MARKER_ATTR].CopyFrom(generated[source].attr[names.MARKER_ATTR])
             node.input[slot] = neg.name
             return
     for node in reversed(graph_def.node):
