@@ -92,7 +92,7 @@ class Recorder:
                 graph=graph_bytes, fetch=tuple(fetch), preserve=tuple(preserve),
                 properties=raw, runtime_batch=env.runtime_batch,
                 in_use_bytes=env.in_use("CPU:0") if env.in_use else None,
-                device_memory_bytes=env.device_memory(False), threads=env.threads,
+                device_memory_bytes=env.device_memory("CPU:0"), threads=env.threads,
                 onednn=env.onednn, state=state))
         return result
 

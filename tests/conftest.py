@@ -74,23 +74,24 @@ def fresh_python():
     return run_python
 
 
-def train_worker(fresh_python, out, *args, steps=3, batch=8):
+def train_worker(fresh_python, out, *args, steps=3, batch=8, env=None):
     """Runs sntf/testing/workers/train_keras.py (args: --family F or --model M, and
-    flags) in a fresh process; returns (its RESULT dict, {weight: array})."""
+    flags) in a fresh process, with `env` on top of the suite's; returns (its
+    RESULT dict, {weight: array})."""
     import numpy as np
 
     run = fresh_python(args=[os.path.join(WORKERS, "train_keras.py"), *args,
                              "--batch", str(batch), "--steps", str(steps),
-                             "--out", str(out)])
+                             "--out", str(out)], env=env)
     result = run.result()
     with np.load(out) as data:
         return result, {k: data[k].copy() for k in data.files}
 
 
-def train_family(fresh_python, out, family, *flags, steps=3, batch=8):
+def train_family(fresh_python, out, family, *flags, steps=3, batch=8, env=None):
     """train_worker for a family of sntf.models."""
     return train_worker(fresh_python, out, "--family", family, *flags,
-                        steps=steps, batch=batch)
+                        steps=steps, batch=batch, env=env)
 
 
 def assert_identical(base, run, what="") -> None:

@@ -114,3 +114,27 @@ def test_auto_without_budget_leaves_a_graph_that_fits_the_device_limit():
     tight = _auto_without_budget(peak // 2)
     assert tight["action"] == "rewritten", tight["reason"]
     assert tight["planned_peak_bytes"] == unlimited["planned_peak_bytes"]
+
+
+@pytest.mark.slow
+def test_the_cpu_bfc_allocator_without_a_limit_sets_none(fresh_python):
+    """TF_CPU_ALLOCATOR_USE_BFC alone gives the CPU allocator a bytes_limit
+    of the host's RAM: that is no limit the user asked for, and enable()
+    alone must still plan (not leave every CPU graph unchanged)."""
+    run = fresh_python("""
+        import json
+        import numpy as np
+        import keras
+        import sntf
+        from sntf.runtime import environment
+        sntf.enable()
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        model.compile("sgd", "mse")
+        model.fit(np.zeros((16, 8), np.float32), np.zeros((16, 4), np.float32),
+                  epochs=1, verbose=0)
+        limits = [r.get("device_limit_bytes") for r in sntf.reports() if r["training"]]
+        print("RESULT " + json.dumps({"limit": environment.allocator_limit("CPU:0"),
+                                      "limits": limits}))
+        """, env={"TF_CPU_ALLOCATOR_USE_BFC": "true"})
+    result = run.result()
+    assert result["limit"] is None and result["limits"] and not any(result["limits"])

@@ -13,8 +13,7 @@ SMALL_SWAPS = ("--swap-min-bytes", "4096")    # batch 8: small activations
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family, precision", [
-    ("resnet", "mixed_bfloat16"), ("transformer", "mixed_bfloat16"),
-    ("resnet", "mixed_float16")])
+    ("transformer", "mixed_bfloat16"), ("resnet", "mixed_float16")])
 def test_mixed_precision_is_rewritten_and_identical(fresh_python, tmp_path, family,
                                                     precision):
     flags = ("--mixed-precision", precision)
@@ -39,8 +38,8 @@ def test_mixed_precision_is_rewritten_and_identical(fresh_python, tmp_path, fami
             assert last["swapped"] or last["recomputed"], last
 
 
-def _train_model(fresh_python, out, model, *flags):
-    return train_worker(fresh_python, out, "--model", model, *flags)
+def _train_model(fresh_python, out, model, *flags, env=None):
+    return train_worker(fresh_python, out, "--model", model, *flags, env=env)
 
 
 @pytest.mark.slow
@@ -61,11 +60,16 @@ def test_recurrent_model_is_identical_and_says_what_it_did(fresh_python, tmp_pat
 @pytest.mark.parametrize("model", ["cnn", "mlp"])
 def test_custom_gradient_tape_loop_is_rewritten_and_identical(fresh_python, tmp_path,
                                                               model):
+    # TensorFlow's own convolutions: the small CNN's plans lower its peak
+    # through their im2col scratch, which oneDNN's kernels do not take.
+    # (The worker reads the allocator's peak: the BFC allocator keeps it.)
+    tf_kernels = {"TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
     base, weights = _train_model(fresh_python, tmp_path / "base.npz", model,
-                                 "--custom-loop")
+                                 "--custom-loop", env=tf_kernels)
     for policy in POLICIES:
         result, got = _train_model(fresh_python, tmp_path / "p.npz", model,
-                                   "--custom-loop", "--sntf", policy, *SMALL_SWAPS)
+                                   "--custom-loop", "--sntf", policy, *SMALL_SWAPS,
+                                   env=tf_kernels)
         assert_identical((base, weights), (result, got), (model, policy))
         training = [r for r in result["reports"] if r["training"]]
         assert training, result["reports"]

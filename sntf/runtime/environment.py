@@ -118,8 +118,6 @@ def device_memory_bytes(device: str = "CPU:0") -> int:
       total of the current GPU (a warning says so once), and physical RAM
       for the CPU or when the CUDA runtime cannot be asked.
     """
-    if isinstance(device, bool):    # the former signature: gpu or not
-        device = "GPU:0" if device else "CPU:0"
     with _settings_lock:
         limit = _device_limits.get(_short_device(device))
     if limit:
@@ -177,8 +175,10 @@ def record_device_limits() -> dict:
     try:
         import tensorflow as tf
 
-        names = ["CPU:0"] + [f"GPU:{i}" for i, _ in
-                             enumerate(tf.config.list_logical_devices("GPU"))]
+        # The CPU's BFC allocator has a bytes_limit even without one asked
+        # for (the host's RAM): only a limit the user set binds there.
+        names = (["CPU:0"] if os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB") else []) + [
+            f"GPU:{i}" for i, _ in enumerate(tf.config.list_logical_devices("GPU"))]
         found = {}
         for name in names:
             limit = native.device_bytes_limit(name)

@@ -194,7 +194,7 @@ def replay(entry: Entry, cfg: dict) -> dict:
 
     env = passes.Environment(
         threads=entry.threads, onednn=entry.onednn, runtime_batch=entry.runtime_batch,
-        device_memory=lambda gpu: entry.device_memory_bytes,
+        device_memory=lambda device: entry.device_memory_bytes,
         in_use=lambda device: entry.in_use_bytes)
     result = passes.run_pass(entry.graph, entry.fetch, entry.preserve, state,
                              properties, env, defer=False)
