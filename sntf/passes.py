@@ -362,7 +362,7 @@ def _on_gpu(index) -> bool:
 
 def _budget_bytes(state: config.State, index, env: Environment) -> Optional[int]:
     """The user's budget in bytes for this graph's device (None without one,
-    and for budget "auto" on a CPU graph)."""
+    and for budget "auto" on a CPU graph whose allocator has no limit)."""
     if state.budget is None:
         return None
     device = graph_device(index)
