@@ -79,11 +79,25 @@ def make_data(family: str, n: int, seed: int = 0):
     x is float32 in [0, 1) for the dense and conv families and int32 token ids
     in [0, VOCAB) for the transformer; y holds int32 labels in [0, 10).
     """
+    return random_samples(input_shape(family), n, seed, token_ids=family == "transformer")
+
+
+def random_samples(shape: tuple, n: int, seed: int = 0, token_ids: bool = False):
+    """n random samples of one input shape, with labels in [0, NUM_CLASSES).
+
+    Args:
+      shape: one sample's shape (without the batch dimension).
+      n: the number of samples.
+      seed: the generator's seed.
+      token_ids: int32 ids in [0, VOCAB) instead of float32 in [0, 1).
+
+    Returns:
+      (x, y) numpy arrays.
+    """
     import numpy as np
 
-    shape = input_shape(family)
     rng = np.random.default_rng(seed)
-    if family == "transformer":
+    if token_ids:
         x = rng.integers(0, VOCAB, (n,) + shape, dtype=np.int32)
     else:
         x = rng.random((n,) + shape, dtype=np.float32)

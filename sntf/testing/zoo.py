@@ -33,9 +33,11 @@ categorical cross-entropy from logits.
 
 from __future__ import annotations
 
-NUM_CLASSES = 10
+from sntf import models
+# The families' classes and vocabulary, so that models.random_samples serves both.
+from sntf.models import NUM_CLASSES, VOCAB
+
 SEQ_LEN = 128
-VOCAB = 1000
 
 # name -> (input shape, default batch, integer input)
 SPECS = {
@@ -71,13 +73,8 @@ def default_batch(name: str) -> int:
 
 def make_data(name: str, n: int, seed: int = 0):
     """n random samples (x, y) for an architecture (numpy arrays)."""
-    import numpy as np
-
     shape, _, ids = SPECS[_check(name)]
-    rng = np.random.default_rng(seed)
-    x = (rng.integers(0, VOCAB, (n,) + shape, dtype=np.int32) if ids
-         else rng.random((n,) + shape, dtype=np.float32))
-    return x, rng.integers(0, NUM_CLASSES, n, dtype=np.int32)
+    return models.random_samples(shape, n, seed, token_ids=ids)
 
 
 def build(name: str, learning_rate: float = 0.01, jit_compile="auto", **kw):
