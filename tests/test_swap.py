@@ -304,7 +304,7 @@ def test_pool_soak_200_steps_no_growth(fresh_python):
 @pytest.mark.slow
 def test_tensor_cache_moves_nothing_above_baseline_and_fits_half_of_it():
     def run(**kw):
-        return measure_peak.measure("resnet", 32, steps=2, depth=8, **kw)
+        return measure_peak.measure("resnet", 32, steps=2, depth=4, **kw)
 
     base = run(policy="none")["measured_peak_bytes"]
     roomy = run(policy="swap+recompute", budget=2 * base)
