@@ -3,7 +3,8 @@ budget with sntf than with TensorFlow alone; see sntf/testing/deeper.py.
 
     python benchmarks/deeper.py --budget 64MiB [--family resnet] [--batch 32]
                                 [--policy auto] [--steps 2] [--repeats 1]
-                                [--max_depth 128] [--timeout 900] [--out deeper.json]
+                                [--max_depth 128] [--timeout 900] [--hard_limit]
+                                [--out deeper.json]
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from sntf import config, models  # noqa: E402
-from sntf.testing import deeper  # noqa: E402
+from sntf.testing import deeper, zoo  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("family", "resnet", list(models.FAMILIES),
-                  "model family of sntf.models")
+flags.DEFINE_enum("family", "resnet",
+                  list(models.FAMILIES) + [f"zoo:{name}" for name in zoo.DEEPENS],
+                  "model family of sntf.models, or zoo:<name> for an architecture "
+                  "of sntf.testing.zoo whose depth is its blocks")
 flags.DEFINE_integer("batch", 32, "batch size", lower_bound=1)
 flags.DEFINE_string("budget", None, "device-memory budget: bytes or a size string "
                     "such as 64MiB or 0.5GB")
@@ -40,6 +43,9 @@ flags.DEFINE_integer("timeout", 900, "seconds per trial process; a trial that "
 flags.DEFINE_bool("time_ratio", True, "if the sntf search did not measure "
                   "TensorFlow's deepest depth, run one more sntf trial there "
                   "for the step-time ratio")
+flags.DEFINE_bool("hard_limit", False, "the budget is a hard limit on the CPU "
+                  "allocator: a depth fits when it trains under it, not when its "
+                  "peak is below it")
 flags.DEFINE_string("out", None, "JSON file for the tables, settings and all trials")
 
 
@@ -62,7 +68,8 @@ def main(argv: list) -> int:
     command = command_line(sys.argv)
     out = deeper.run(FLAGS.family, FLAGS.batch, budget_bytes, policy, steps=FLAGS.steps,
               repeats=FLAGS.repeats, max_depth=FLAGS.max_depth, timeout=FLAGS.timeout,
-              time_ratio=FLAGS.time_ratio, progress=deeper.ProgressBar())
+              time_ratio=FLAGS.time_ratio, progress=deeper.ProgressBar(),
+              hard_limit=FLAGS.hard_limit)
     out["command"] = command
     out["table"] = deeper.result_table(out)
     out["trials_table"] = deeper.trials_table(out)

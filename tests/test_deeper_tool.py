@@ -168,6 +168,41 @@ def test_run_when_nothing_fits():
     assert "TensorFlow fits no depth" in table
 
 
+def test_hard_limit_counts_trains_not_peaks():
+    """Under a hard limit a depth fits when it trains: the worker gets the
+    limit, sntf no budget (it reads the device's limit, as `sntf.enable()`
+    does), and a step that needs more fails with ResourceExhaustedError."""
+    calls = []
+
+    def measure(family, batch, steps=2, policy="off", depth=None, repeats=1,
+                timeout=900, budget=None, limit_mib=None, **kw):
+        calls.append((policy, depth, budget, limit_mib))
+        # TensorFlow needs 10 + 8*d MiB, sntf 10 + 2*d MiB.
+        need = 10 + (8 if policy == "none" else 2) * depth
+        if need > limit_mib:
+            raise RuntimeError("measure_peak failed (rc=1)\nstderr:\nTraceback ...\n"
+                               "tensorflow.python.framework.errors_impl."
+                               "ResourceExhaustedError: OOM when allocating\n")
+        return {"family": family, "depth": depth, "layers": 10 + 21 * depth,
+                "measured_peak_bytes": need * MIB, "seconds_per_step": 0.01 * depth,
+                "losses": [2.3, 2.2]}
+
+    out = deeper.run("resnet", 32, 80 * MIB, "auto", max_depth=64, measure=measure,
+                     hard_limit=True)
+    assert out["tf"]["deepest_depth"] == 8 and out["sntf"]["deepest_depth"] == 35
+    assert all(limit == 80 and budget is None for _, _, budget, limit in calls)
+    reasons = {t["depth"]: t["reason"] for t in out["tf"]["trials"]}
+    assert reasons[16] == "out of memory"
+    assert reasons[8] == "trains under 80 MiB, peak 74.0 MiB"
+    assert "| 80 MiB (hard limit) |" in deeper.result_table(out)
+    # Any other failure is still a failure, not an out-of-memory verdict.
+    fits = deeper.make_fits("resnet", 32, 2, 80 * MIB, "auto", hard_limit=True,
+                            measure=lambda *a, **k: (_ for _ in ()).throw(
+                                RuntimeError("ValueError: bad\n")))
+    ok, record = fits(1)
+    assert not ok and record["reason"] == "failed: ValueError: bad"
+
+
 def test_cli_rejects_bad_flags():
     script = os.path.join(REPO, "benchmarks", "deeper.py")
     run = run_python(args=[script, "--budget", "12XB"], timeout=60)

@@ -1,9 +1,5 @@
 """Finds, by measurement, how much deeper a model trains within a memory budget
-with sntf than with TensorFlow alone.
-
-    python benchmarks/deeper.py --budget 64MiB [--family resnet] [--batch 32]
-                           [--policy auto] [--steps 2] [--repeats 1]
-                           [--max_depth 128] [--timeout 900] [--out deeper.json]
+with sntf than with TensorFlow alone (benchmarks/deeper.py runs it).
 
 For a model family of sntf.models (default "resnet", whose depth knob n is
 residual blocks per stage: the CIFAR ResNet-(6n+2), 10 + 21*n Keras layers)
@@ -22,16 +18,19 @@ allocator's peak cannot be reset). A trial "does not fit" when its peak is
 over the budget, the worker fails, it times out (--timeout), or a loss is not
 finite; the reason is recorded.
 
+With --hard_limit the budget is a hard limit on the CPU allocator
+(TF_CPU_BFC_MEM_LIMIT_IN_MB), as a GPU's memory is: a depth fits when it
+trains, not when a step raises ResourceExhaustedError. sntf gets no budget:
+it reads the device's limit, as a plain `sntf.enable()` does. oneDNN is off
+(with it, a refused allocation aborts inside a oneDNN convolution).
+
 The search assumes the peak grows with the depth. Identical runs differ by a
 few percent now and then (see measure_peak.py), so a depth whose peak lies
 within that noise of the budget may land on either side; --repeats N takes
 the median of N runs per trial.
 
-Output: a markdown table (family, batch, budget, each search's deepest depth
-with its Keras layer count and peak, sntf's step time over TensorFlow's at
-TensorFlow's deepest depth, and sntf layers / TensorFlow layers), a table of
-all trials, and the exact command line, on stdout; --out also writes a JSON
-file with every trial's full result. Progress goes to stderr.
+Output: result_table and trials_table (markdown) and the command line on
+stdout, progress on stderr; --out writes every trial's result as JSON.
 """
 
 from __future__ import annotations
@@ -48,6 +47,8 @@ from typing import Any, Callable, Optional, TextIO
 from sntf.testing.workers import measure_peak
 
 MIB = float(1 << 20)
+# What a worker prints when a step needs more than the hard limit.
+OUT_OF_MEMORY = "ResourceExhaustedError"
 
 @dataclasses.dataclass
 class Trial:
@@ -165,18 +166,21 @@ def _error_line(text: str) -> str:
 
 def make_fits(family: str, batch: int, steps: int, budget_bytes: int,
               policy: str, *, repeats: int = 1, timeout: float = 900,
-              measure: Callable[..., dict] = measure_peak.measure
-              ) -> Callable[[int], tuple]:
+              measure: Callable[..., dict] = measure_peak.measure,
+              hard_limit: bool = False) -> Callable[[int], tuple]:
     """A fits(depth) callable that measures one configuration per call.
 
     Args:
-      family, batch, steps: the model and training run (sntf.models).
+      family, batch, steps: the model and training run (sntf.models, or
+        "zoo:<name>" for an architecture of sntf.testing.zoo with blocks).
       budget_bytes: the budget the measured peak must not exceed.
       policy: "none" (TensorFlow, sntf never imported) or an sntf policy,
         which the worker enables with budget=budget_bytes.
       repeats: fresh processes per trial (measure_peak's median run).
       timeout: seconds per process.
       measure: measure_peak.measure or a stand-in with its signature.
+      hard_limit: the budget is a hard limit on the CPU allocator: a depth
+        fits when it trains under it, and sntf gets no budget (module doc).
 
     Returns:
       depth -> (fits, record): record is a JSON-able dict with depth, fits,
@@ -189,21 +193,28 @@ def make_fits(family: str, batch: int, steps: int, budget_bytes: int,
         start = time.perf_counter()
         record = {"depth": depth, "fits": False, "reason": "", "error": None,
                   "result": None}
+        limit = {"limit_mib": int(budget_bytes // MIB)} if hard_limit else {}
         try:
             result = measure(family, batch, steps=steps, policy=policy, depth=depth,
                              repeats=repeats, timeout=timeout,
-                             budget=budget_bytes if sntf_on else None)
+                             budget=budget_bytes if sntf_on and not hard_limit else None,
+                             **limit)
         except subprocess.TimeoutExpired:
             record["reason"] = f"timed out after {timeout:g} s"
         except RuntimeError as e:
             record["error"] = str(e)
-            record["reason"] = "failed: " + _error_line(str(e))
+            record["reason"] = ("out of memory" if hard_limit and OUT_OF_MEMORY in str(e)
+                                else "failed: " + _error_line(str(e)))
         else:
             record["result"] = result
             peak = result["measured_peak_bytes"]
             losses = result.get("losses") or []
             if not all(math.isfinite(l) for l in losses):
                 record["reason"] = f"non-finite loss {losses}"
+            elif hard_limit:
+                record["fits"] = True
+                record["reason"] = (f"trains under {budget_bytes / MIB:.0f} MiB, "
+                                    f"peak {peak / MIB:.1f} MiB")
             elif peak > budget_bytes:
                 record["reason"] = (f"peak {peak / MIB:.1f} MiB > budget "
                                     f"{budget_bytes / MIB:.1f} MiB")
@@ -291,7 +302,7 @@ def _summary(search: SearchResult) -> dict:
 def run(family: str, batch: int, budget_bytes: int, policy: str, steps: int = 2,
         repeats: int = 1, max_depth: int = 128, timeout: float = 900,
         time_ratio: bool = True, measure: Callable[..., dict] = measure_peak.measure,
-        progress: Optional[ProgressBar] = None) -> dict:
+        progress: Optional[ProgressBar] = None, hard_limit: bool = False) -> dict:
     """Runs both searches (TensorFlow, then sntf) and the step-time trial.
 
     Args:
@@ -305,6 +316,7 @@ def run(family: str, batch: int, budget_bytes: int, policy: str, steps: int = 2,
         the sntf search did not measure it.
       measure: measure_peak.measure or a stand-in (tests).
       progress: a ProgressBar, or None for no progress output.
+      hard_limit: a depth fits when it trains under the budget (make_fits).
 
     Returns:
       A JSON-able dict: settings, "tf" and "sntf" summaries (deepest_depth,
@@ -316,10 +328,11 @@ def run(family: str, batch: int, budget_bytes: int, policy: str, steps: int = 2,
     start = time.perf_counter()
     out: dict = {"family": family, "batch": batch, "budget_bytes": budget_bytes,
                  "policy": policy, "steps": steps, "repeats": repeats,
-                 "max_depth": max_depth, "timeout": timeout}
+                 "max_depth": max_depth, "timeout": timeout, "hard_limit": hard_limit}
     trials = [0]     # trials run so far
     fits_of = functools.partial(make_fits, family, batch, steps, budget_bytes,
-                                repeats=repeats, timeout=timeout, measure=measure)
+                                repeats=repeats, timeout=timeout, measure=measure,
+                                hard_limit=hard_limit)
     _search_both(out, fits_of, policy, max_depth, time_ratio, progress, trials)
     out["time_ratio"] = _time_ratio(out, fits_of, policy, steps, time_ratio, progress,
                                     trials)
@@ -449,7 +462,10 @@ def result_table(out: dict) -> str:
         deeper = "TF fits no depth"
     else:
         deeper = "n/a"
-    cells = [out["family"], str(out["batch"]), _budget_text(out["budget_bytes"]),
+    budget = _budget_text(out["budget_bytes"])
+    if out.get("hard_limit"):
+        budget += " (hard limit)"
+    cells = [out["family"], str(out["batch"]), budget,
              _depth_cell(tf), str(tf["layers"] or ""),
              _mib(tf["peak_bytes"]), out["policy"], _depth_cell(sn),
              str(sn["layers"] or ""), _mib(sn["peak_bytes"]), ratio_cell, deeper]

@@ -33,6 +33,8 @@ categorical cross-entropy from logits.
 
 from __future__ import annotations
 
+import inspect
+
 from sntf import models
 # The families' classes and vocabulary, so that models.random_samples serves both.
 from sntf.models import NUM_CLASSES, VOCAB
@@ -316,3 +318,7 @@ _BUILDERS = {
     "keras_mobilenet_v2": _keras_mobilenet_v2,
     "keras_efficientnet": _keras_efficientnet,
 }
+# The architectures with a `blocks` option: their depth can be searched
+# (benchmarks/deeper.py --family zoo:<name>).
+DEEPENS = tuple(name for name, builder in _BUILDERS.items()
+                if "blocks" in inspect.signature(builder).parameters)

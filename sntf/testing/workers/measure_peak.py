@@ -139,10 +139,7 @@ class _Zoo:
 
     def build(self, family, depth=None, remat=None, run_eagerly=False):
         # --depth sets the number of blocks where the architecture has them.
-        import inspect
-
-        takes_blocks = "blocks" in inspect.signature(self.module._BUILDERS[self.name]).parameters
-        if depth is not None and not takes_blocks:
+        if depth is not None and self.name not in self.module.DEEPENS:
             raise ValueError(f"--depth: zoo architecture {self.name!r} has no blocks option")
         return self.module.build(self.name, **({"blocks": depth} if depth else {}))
 
@@ -319,7 +316,7 @@ def main(argv=None):
 def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
             timeout=900, repeats=1, executor="default", input="dataset",
             recompute_mode=None, remat=None, budget=None, eager=False,
-            settings="lab"):
+            settings="lab", limit_mib=None):
     """Runs this worker in a fresh Python process (sys.executable) and returns
     its result dict, with wall_seconds added.
 
@@ -333,6 +330,10 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
     runs differ by up to a few percent now and then (thread timing in the
     executor and in Keras' tf.data input pipeline; the graphs are identical).
 
+    limit_mib, when given, is a hard limit on the CPU allocator
+    (TF_CPU_BFC_MEM_LIMIT_IN_MB): a step that needs more raises
+    ResourceExhaustedError and the worker fails (RuntimeError here).
+
     Raises:
       RuntimeError: the worker failed or printed no RESULT line (the message
         holds the end of its output).
@@ -341,7 +342,7 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
         runs = [measure(family, batch, steps, policy, depth, seed, timeout,
                         executor=executor, input=input,
                         recompute_mode=recompute_mode, remat=remat, budget=budget,
-                        eager=eager, settings=settings)
+                        eager=eager, settings=settings, limit_mib=limit_mib)
                 for _ in range(repeats)]
         peaks = [r["measured_peak_bytes"] for r in runs]
         chosen = dict(sorted(runs, key=lambda r: r["measured_peak_bytes"])[len(runs) // 2])
@@ -372,6 +373,9 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
     env.update(SETTINGS[settings])
     for name in ("SNTF_POLICY", "SNTF_BUDGET"):  # the worker decides the policy
         env.pop(name, None)
+    env.pop("TF_CPU_BFC_MEM_LIMIT_IN_MB", None)
+    if limit_mib is not None:
+        env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(int(limit_mib))
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, env=env,
