@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 
 from sntf import analysis, config, graph, planner, report as reports, rewrite
 from sntf.analysis import Analyzed
+from sntf.analysis import memory
 from sntf.analysis.breakdown import breakdown
 from sntf.graph.identity import graph_key
 from sntf.planner import budget as budget_planning
@@ -333,10 +334,17 @@ def _fits_device_limit(state: config.State, base: Analyzed, index, env: Environm
     if not limit:
         return None
     outside = (_outside_bytes(index, base.facts, env.in_use) or 0) if env.in_use else 0
-    room = int(limit * (1.0 - state.options.budget_margin)) - outside
+    usable = int(limit * (1.0 - state.options.budget_margin))
     peak = base.facts.budget_peak_bytes
     report["device_limit_bytes"] = limit
-    if peak > room:
+    if peak > usable - outside:
+        return None
+    # A peak under the limit is not enough: the allocator's regions may
+    # leave no chunk for a large request (analysis.bfc).
+    if not base.facts.device_timelines and memory.runs_out_of_memory(
+            base.facts, usable, outside) is not None:
+        report["limit_note"] = (f"the predicted peak {peak} bytes is under {device}'s "
+                                f"limit, but its allocator would run out of memory")
         return None
     return (f"auto without a budget: the predicted peak {peak} bytes fits {device}'s "
             f"allocator limit of {limit} bytes (less the margin "

@@ -5,14 +5,23 @@ as in use: a request is rounded to 256 bytes, served from the best-fitting
 free chunk, and that chunk is split only when it is at least twice the
 request. Regions grow by doubling. A 20 MiB im2col buffer taken from a fresh
 32 MiB region therefore shows as 32 MiB in use, which a sum of tensor sizes
-misses. Pure Python, no TensorFlow.
+misses.
+
+Under a memory limit (a GPU's, or the CPU's TF_CPU_BFC_MEM_LIMIT_IN_MB) a
+new region takes what the doubling asks for or what is left, whichever is
+less, and a request that no free chunk and no new region can hold fails
+(BFCAllocator::Extend). A chunk never spans two regions, so a step whose
+peak is well under the limit can still run out of memory: the last region
+is too small for a large request and the large regions are split. The
+model raises OutOfMemory there. Pure Python, no TensorFlow.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 MIN_ALLOCATION_BITS = 8
 MIN_ALLOCATION = 1 << MIN_ALLOCATION_BITS          # 256 bytes
@@ -32,6 +41,13 @@ def bin_for_size(n: int) -> int:
     return min(NUM_BINS - 1, v.bit_length() - 1) if v else 0
 
 
+class OutOfMemory(Exception):
+    """A request the allocator cannot serve under its limit; step: the
+    schedule step that made it (-1: before the step), set by simulate."""
+
+    step: int = -1
+
+
 @dataclasses.dataclass
 class _Chunk:
     addr: int
@@ -43,9 +59,16 @@ class _Chunk:
 
 
 class BfcModel:
-    """Best-fit with coalescing, bins and region doubling, as TensorFlow does it."""
+    """Best-fit with coalescing, bins and region doubling, as TensorFlow does it.
 
-    def __init__(self, initial_region_bytes: int = INITIAL_REGION_BYTES):
+    Args:
+      initial_region_bytes: the first region's size (allow_growth's 2 MiB).
+      limit: the allocator's memory limit in bytes, or None for none.
+    """
+
+    def __init__(self, initial_region_bytes: int = INITIAL_REGION_BYTES,
+                 limit: Optional[int] = None):
+        self._limit = limit
         self._region_bytes = rounded_bytes(initial_region_bytes)
         self._next_addr = 0
         self._chunks: dict = {}
@@ -72,11 +95,18 @@ class BfcModel:
 
     # -- regions
     def _extend(self, size: int) -> None:
+        available = None
+        if self._limit is not None:
+            available = (self._limit - self.reserved) // MIN_ALLOCATION * MIN_ALLOCATION
+            if size > available:
+                raise OutOfMemory(f"{size} bytes with {self.reserved} of "
+                                  f"{self._limit} reserved")
         grew = False
         while size > self._region_bytes:
             self._region_bytes *= 2
             grew = True
-        region_size = self._region_bytes
+        region_size = (self._region_bytes if available is None
+                       else min(self._region_bytes, available))
         addr = self._next_addr
         self._next_addr += region_size + MIN_ALLOCATION  # regions never touch
         c = _Chunk(addr=addr, size=region_size, region=addr)
@@ -88,7 +118,11 @@ class BfcModel:
 
     # -- public
     def allocate(self, nbytes: int) -> int:
-        """Allocates; returns the chunk address (a handle for free())."""
+        """Allocates; returns the chunk address (a handle for free()).
+
+        Raises:
+          OutOfMemory: under a limit, no free chunk or new region holds it.
+        """
         size = rounded_bytes(nbytes)
         c = self._find(size)
         if c is None:
@@ -131,3 +165,56 @@ class BfcModel:
             self._chunks[right.next].prev = left.addr
         del self._chunks[right.addr]
         return left
+
+
+def simulate(buffer_bytes: dict, persistent, intervals: dict, end: int,
+             is_scratch: Callable[[tuple], bool], limit: Optional[int] = None,
+             outside: int = 0) -> tuple[int, ...]:
+    """Bytes the allocator reports in use at each step of a schedule.
+
+    What the device holds outside the graph (`outside` bytes), then the
+    persistent buffers, are allocated first (they exist before the step);
+    within a step, outputs are allocated, then scratch, then scratch and
+    dead inputs are freed.
+
+    Args:
+      buffer_bytes: buffer -> bytes.
+      persistent: the buffers that exist before the step.
+      intervals: buffer -> (first step, step after which it is freed).
+      end: the number of steps.
+      is_scratch: whether a buffer is an op's scratch memory.
+      limit: the allocator's limit, or None.
+      outside: bytes held outside the graph.
+
+    Returns:
+      Bytes in use at every step.
+
+    Raises:
+      OutOfMemory: under the limit; its step says where.
+    """
+    sim = BfcModel(limit=limit)
+    step = -1
+    try:
+        if outside:
+            sim.allocate(outside)
+        for b in sorted(persistent):
+            sim.allocate(buffer_bytes[b])
+        allocs = collections.defaultdict(list)
+        frees = collections.defaultdict(list)
+        for b, (start, stop) in intervals.items():
+            # Scratch last in, first out; outputs by node and port.
+            allocs[start].append((is_scratch(b), b))
+            if stop < end:
+                frees[stop].append((not is_scratch(b), b))
+        where = {}
+        series = []
+        for step in range(end):
+            for _, b in sorted(allocs.get(step, ())):
+                where[b] = sim.allocate(buffer_bytes[b])
+            series.append(sim.in_use)
+            for _, b in sorted(frees.get(step, ())):
+                sim.free(where.pop(b))
+    except OutOfMemory as e:
+        e.step = step
+        raise
+    return tuple(series)

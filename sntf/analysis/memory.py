@@ -78,6 +78,8 @@ class Analysis:
     # Bytes of the variables the graph reads (part of persistent_bytes):
     # allocated before the step, by whoever created the variables.
     variable_bytes: int = 0
+    # The buffers that exist before the step (variables, constants).
+    persistent_buffers: frozenset = frozenset()
     # Graphs placed on several devices (one replica per device under
     # tf.distribute): each device's own allocator timeline (bytes in use at
     # every step), its buffers being those of the nodes placed on it. Empty
@@ -169,7 +171,7 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
     end = len(order)
     intervals = live.intervals()
     by_class, total = _class_series(live, klass, intervals, end)
-    device = _simulate_allocator(live.buffer_bytes, live.persistent, intervals, end)
+    device = _simulate(live.buffer_bytes, live.persistent, intervals, end)
     peak_step = max(range(end), key=lambda s: device[s]) if end else 0
     peak = device[peak_step] if end else live.persistent_bytes()
     lower, lower_step, seconds = _lower_bound_and_costs(live, batch, cost_model)
@@ -191,7 +193,8 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
         lower_bound_bytes=lower, lower_bound_step=lower_step,
         step_seconds=tuple(seconds), unknown_sizes=unknown,
         variable_bytes=sum(live.buffer_bytes[b] for b in live.persistent
-                           if b[1] == VARIABLE_PORT))
+                           if b[1] == VARIABLE_PORT),
+        persistent_buffers=frozenset(live.persistent))
 
 
 def _sizes(g: GraphIndex, properties, batch: Optional[int]) -> tuple[dict, int]:
@@ -433,33 +436,32 @@ def _lower_bound_and_costs(live: _Liveness, batch: Optional[int],
     return lower, lower_step, seconds
 
 
-def _simulate_allocator(buffer_bytes: dict, persistent: set, intervals: dict,
-                        end: int) -> tuple[int, ...]:
-    """Bytes TensorFlow's BFC allocator reports in use at each step.
+def _simulate(buffer_bytes: dict, persistent: set, intervals: dict, end: int,
+              limit: Optional[int] = None, outside: int = 0) -> tuple[int, ...]:
+    """Bytes TensorFlow's BFC allocator reports in use at each step
+    (bfc.simulate, with this module's scratch buffers)."""
+    return bfc.simulate(buffer_bytes, persistent, intervals, end,
+                        lambda b: b[1] == SCRATCH_PORT, limit=limit, outside=outside)
 
-    Persistent buffers are allocated first (they exist before the step);
-    within a step, outputs are allocated, then scratch, then scratch and
-    dead inputs are freed.
+
+def runs_out_of_memory(analysis: Analysis, limit: int, outside: int = 0) -> Optional[int]:
+    """The first schedule step at which the step would run out of memory
+    under an allocator limit (bfc.OutOfMemory), or None if it fits.
+
+    Args:
+      analysis: a single-device graph's analysis.
+      limit: the allocator's limit in bytes.
+      outside: bytes the device holds outside the graph, allocated first.
+
+    Returns:
+      The step, -1 if what exists before the step does not fit, or None.
     """
-    sim = bfc.BfcModel()
-    for b in sorted(persistent):
-        sim.allocate(buffer_bytes[b])
-    allocs = collections.defaultdict(list)
-    frees = collections.defaultdict(list)
-    for b, (start, stop) in intervals.items():
-        # Scratch last in, first out; outputs by node and port.
-        allocs[start].append((b[1] == SCRATCH_PORT, b))
-        if stop < end:
-            frees[stop].append((b[1] != SCRATCH_PORT, b))
-    where = {}
-    series = []
-    for s in range(end):
-        for _, b in sorted(allocs.get(s, ())):
-            where[b] = sim.allocate(buffer_bytes[b])
-        series.append(sim.in_use)
-        for _, b in sorted(frees.get(s, ())):
-            sim.free(where.pop(b))
-    return tuple(series)
+    try:
+        _simulate(analysis.buffer_bytes, analysis.persistent_buffers,
+                  analysis.buffer_intervals, len(analysis.schedule), limit, outside)
+    except bfc.OutOfMemory as e:
+        return e.step
+    return None
 
 
 def _device_timelines(g: GraphIndex, buffer_bytes: dict, persistent: set,
@@ -476,7 +478,7 @@ def _device_timelines(g: GraphIndex, buffer_bytes: dict, persistent: set,
     timelines = {}
     for device in sorted(devices):
         mine = {b for b in buffer_bytes if g.devices[b[0]] == device}
-        timelines[device] = _simulate_allocator(
+        timelines[device] = _simulate(
             buffer_bytes, persistent & mine,
             {b: span for b, span in intervals.items() if b in mine}, end)
     return timelines
