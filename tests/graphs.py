@@ -357,6 +357,46 @@ def conv_train() -> graph_pb2.GraphDef:
     return b.build()
 
 
+def transposed_conv_train() -> graph_pb2.GraphDef:
+    """A transposed convolution (Conv2DBackpropInput in the forward pass)
+    then a Conv2D, with both filters' gradients and SGD updates."""
+    conv = dict(T=DT_FLOAT, strides=[1, 1, 1, 1], padding="SAME", data_format="NHWC")
+    b = GraphBuilder()
+    (b.arg("images")
+     .arg("up_handle", DT_RESOURCE)
+     .arg("conv_handle", DT_RESOURCE)
+     .read("up/ReadVariableOp", "up_handle")
+     .read("conv/ReadVariableOp", "conv_handle")
+     .const("up/output_shape", [8, 16, 16, 4], DT_INT32)
+     .op("Conv2DBackpropInput", "up/conv2d_transpose",
+         ["up/output_shape", "up/ReadVariableOp", "images"], **conv)
+     .op("Conv2D", "conv/Conv2D", ["up/conv2d_transpose", "conv/ReadVariableOp"], **conv)
+     .op("Square", "loss/Square", ["conv/Conv2D"], T=DT_FLOAT)
+     .const("loss/Const", [0, 1, 2, 3], DT_INT32)
+     .op("Sum", "loss/Sum", ["loss/Square", "loss/Const"], T=DT_FLOAT, Tidx=DT_INT32)
+     .const("grad/Const", 2.0)
+     .op("Mul", "grad/dconv", ["conv/Conv2D", "grad/Const"], T=DT_FLOAT)
+     .op("Shape", "grad/conv_shape", ["conv/ReadVariableOp"], T=DT_FLOAT,
+         out_type=DT_INT32)
+     .op("Conv2DBackpropFilter", "grad/dconv_filter",
+         ["up/conv2d_transpose", "grad/conv_shape", "grad/dconv"], **conv)
+     .op("Shape", "grad/up_out_shape", ["up/conv2d_transpose"], T=DT_FLOAT,
+         out_type=DT_INT32)
+     .op("Conv2DBackpropInput", "grad/dup",
+         ["grad/up_out_shape", "conv/ReadVariableOp", "grad/dconv"], **conv)
+     .op("Shape", "grad/up_shape", ["up/ReadVariableOp"], T=DT_FLOAT, out_type=DT_INT32)
+     .op("Conv2DBackpropFilter", "grad/dup_filter",
+         ["grad/dup", "grad/up_shape", "images"], **conv)
+     .const("SGD/learning_rate", 0.01)
+     .op("Mul", "SGD/up", ["SGD/learning_rate", "grad/dup_filter"], T=DT_FLOAT)
+     .op("Mul", "SGD/conv", ["SGD/learning_rate", "grad/dconv_filter"], T=DT_FLOAT)
+     .op("AssignSubVariableOp", "SGD/update_up", ["up_handle", "SGD/up"], dtype=DT_FLOAT)
+     .op("AssignSubVariableOp", "SGD/update_conv", ["conv_handle", "SGD/conv"],
+         dtype=DT_FLOAT)
+     .retval("loss_retval", "loss/Sum"))
+    return b.build()
+
+
 IDS = "ids"
 TABLE_HANDLE = "embedding_embedding_lookup_readvariableop_resource"
 GATHER = "embedding/embedding_lookup"

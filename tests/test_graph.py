@@ -653,3 +653,19 @@ def test_loop_ops_and_control_flow_region():
         i for i, name in enumerate(g.names) if name != "i0")
     plain = index_of(graphs.train_mlp())
     assert graph.loop_ops(plain) == () and graph.control_flow_region(plain) == frozenset()
+
+
+def test_a_transposed_convolution_is_a_forward_layer():
+    """Conv2DBackpropInput is a gradient kernel by type, but a transposed
+    convolution runs it in the forward pass. Taken for the start of the
+    backward pass, it hid every layer after it from the planner (a U-Net's
+    whole decoder)."""
+    g = graph.build_index(graphs.transposed_conv_train(), ["loss_retval"])
+    phases = graph.classify_phases(g)
+    phase = dict(zip(g.names, phases))
+    assert phase["up/conv2d_transpose"] == graph.FORWARD
+    assert phase["conv/Conv2D"] == graph.FORWARD
+    for name in ("grad/dup", "grad/dup_filter", "grad/dconv_filter"):
+        assert phase[name] == graph.BACKWARD, name
+    anchors = {g.names[i] for i in graph.weight_consumers(g)}
+    assert anchors == {"up/conv2d_transpose", "conv/Conv2D"}

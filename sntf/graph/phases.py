@@ -69,7 +69,7 @@ def weight_consumers(g: GraphIndex) -> frozenset:
     # Gradient kernels (by op type, a structural fact) and the backprop output
     # of fused losses start the backward pass too; an optimizer's ops that read
     # slot variables (Adam's m and v) sit downstream of them.
-    tainted = descendants(g, backward | _gradient_sources(g, candidates))
+    tainted = descendants(g, backward | _gradient_sources(g, set(candidates) - backward))
     # A forward op's output flows into the gradient computation; an
     # optimizer op reading a slot (m, v) only flows into updates.
     feeds_gradients = ancestors(g, tainted, control=False)
@@ -115,11 +115,18 @@ def classify_phases(g: GraphIndex) -> tuple[str, ...]:
                  for i in range(len(g.names)))
 
 
-def _gradient_sources(g: GraphIndex, anchors: Iterable[int]) -> set:
-    """Gradient kernels and fused-loss backprop outputs (by op type)."""
+def _gradient_sources(g: GraphIndex, forward_users: Iterable[int]) -> set:
+    """Gradient kernels and fused-loss backprop outputs (by op type).
+
+    A gradient kernel that reads a weight no op upstream of it reads is a
+    forward layer (forward_users): a transposed convolution is a
+    Conv2DBackpropInput in the forward pass, and what follows it is not
+    the backward pass.
+    """
+    forward_users = set(forward_users)
     sources = set()
     for n, op in enumerate(g.ops):
-        if optable.is_gradient_op(op):
+        if optable.is_gradient_op(op) and n not in forward_users:
             sources.add(n)
         elif op in optable.FUSED_LOSS_OPS:
             sources.update(c for c, _, port in g.consumers[n] if port == 1)
