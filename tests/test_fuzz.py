@@ -345,6 +345,33 @@ def test_random_training_graphs_are_rewritten_correctly(fresh_python):
     assert counts.get("with recomputations", 0) >= 2, counts
     assert counts.get("with cache ops", 0) >= 2, counts
     assert counts.get("rewritten, unknown batch", 0) >= 2, counts
+    # The zoo's shapes among the rewritten: squeeze-and-excitation gates,
+    # layer normalization, weights read twice, GELU and swish.
+    for shape in ("gate", "layernorm", "tied", "gelu or swish"):
+        assert counts.get(f"rewritten, {shape}", 0) >= 2, (shape, counts)
+
+
+# Two transposed convolutions around a convolution. Before the forward
+# Conv2DBackpropInput counted as a forward layer, everything after it was
+# taken for the backward pass and nothing was swapped.
+TRANSPOSED = {
+    "kind": "conv", "hw": 10, "dims": [8, 12, 12, 12, 4],
+    "layers": [
+        {"op": "deconv", "inputs": [0], "device": 0, "units": 12, "act": "relu", "kernel": 3},
+        {"op": "linear", "inputs": [1], "device": 0, "units": 12, "act": "relu", "kernel": 3},
+        {"op": "deconv", "inputs": [2], "device": 0, "units": 12, "act": "gelu", "kernel": 3},
+        {"op": "linear", "inputs": [3], "device": 0, "units": 4, "act": "none", "kernel": 1}],
+    "extra_loss": None, "batch": 12, "unknown_batch": False, "two_devices": False,
+    "guarded_update": False, "policy": "swap+recompute", "recompute_mode": "speed",
+    "budget": None, "swap_min_bytes": 0, "batch_size_option": True, "seed": 5}
+
+
+@pytest.mark.slow
+def test_transposed_convolutions_are_rewritten_and_identical(fresh_python):
+    rc, result, output = _tool(fresh_python, "--replay", json.dumps(TRANSPOSED),
+                               "--timeout", "60", timeout=200)
+    assert rc == 0 and result["problems"] == [], output[-3000:]
+    assert result["rewritten"] and result["swapped"] > 0, result
 
 
 @pytest.mark.slow

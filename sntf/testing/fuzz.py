@@ -323,8 +323,14 @@ class Tally:
             c["rewritten, two devices"] += spec["two_devices"]
             c["rewritten, with budget"] += spec["budget"] is not None
             c["rewritten, update under tf.cond"] += bool(spec.get("guarded_update"))
-            c["rewritten, tf.cond layer"] += any(layer["op"] == "cond"
-                                                 for layer in spec["layers"])
+            ops = {layer["op"] for layer in spec["layers"]}
+            acts = {layer.get("act") for layer in spec["layers"]}
+            c["rewritten, tf.cond layer"] += "cond" in ops
+            # The shapes of the zoo's networks, each counted where it was
+            # rewritten: a run that never rewrites one has not tested it.
+            for op in ("gate", "layernorm", "softmax", "tied", "deconv"):
+                c[f"rewritten, {op}"] += op in ops
+            c["rewritten, gelu or swish"] += bool(acts & {"gelu", "swish"})
         c["with swaps"] += outcome["swapped"] > 0
         c["with recomputations"] += outcome["recomputed"] > 0
         c["with cache ops"] += outcome["cache_ops"]

@@ -11,10 +11,13 @@ import math
 from typing import Any
 
 POLICIES = ("recompute", "swap", "swap+recompute")
-ACTIVATIONS = ("relu", "tanh", "sigmoid", "elu", "softplus")
+ACTIVATIONS = ("relu", "tanh", "sigmoid", "elu", "softplus", "gelu", "swish")
+# gate: a multiply by a broadcast sigmoid of the tensor's mean (squeeze and
+# excitation); layernorm: per-example over the features; tied: a linear layer
+# that reads an earlier layer's weights again.
 DENSE_OPS = ("linear", "linear", "act", "add", "mul", "concat", "split", "norm",
-             "norm", "dropout", "cond")
-CONV_OPS = DENSE_OPS + ("pool",)
+             "norm", "dropout", "cond", "gate", "layernorm", "softmax", "tied")
+CONV_OPS = DENSE_OPS + ("pool", "deconv")
 MAX_WIDTH = 48            # concatenations stop growing the feature axis here
 DEVICES = ("/device:CPU:0", "/device:CPU:1")
 LEARNING_RATE = 0.05
@@ -73,7 +76,7 @@ def _draw_layers(draw, st, kind: str, two_devices: bool, dims: list) -> list:
         if two_devices and draw(st.integers(0, 3)) == 0:
             device = 1 - device
         layer: dict[str, Any] = {"op": op, "inputs": [i], "device": device}
-        _draw_layer(draw, st, kind, layer, dims)
+        _draw_layer(draw, st, kind, layer, dims, layers)
         layers.append(layer)
     head = {"op": "linear", "inputs": [len(dims) - 1],
             "units": draw(st.integers(1, 8)), "act": "none", "device": device}
@@ -84,12 +87,24 @@ def _draw_layers(draw, st, kind: str, two_devices: bool, dims: list) -> list:
     return layers
 
 
-def _draw_layer(draw, st, kind: str, layer: dict, dims: list) -> None:
-    """Fills one layer's op-specific fields and appends its output dims."""
+def _draw_layer(draw, st, kind: str, layer: dict, dims: list, earlier: list) -> None:
+    """Fills one layer's op-specific fields and appends its output dims
+    (earlier: the layers drawn before it)."""
     i = layer["inputs"][0]
     op = layer["op"]
     if op == "split" and dims[i] < 2:
         op = layer["op"] = "act"
+    if op == "tied":
+        # _parameters numbers dims in layer order: an earlier linear layer
+        # whose input has this input's width.
+        sources = [k for k, l in enumerate(earlier)
+                   if l["op"] == "linear" and dims[l["inputs"][0]] == dims[i]]
+        if not sources:
+            op = layer["op"] = "act"
+        else:
+            layer["source"] = draw(st.sampled_from(sources))
+            layer["act"] = draw(st.sampled_from(ACTIVATIONS + ("none",)))
+            dims.append(earlier[layer["source"]]["units"])
     if op == "concat":
         j = draw(st.integers(0, len(dims) - 1))
         if dims[i] + dims[j] > MAX_WIDTH:
@@ -97,7 +112,7 @@ def _draw_layer(draw, st, kind: str, layer: dict, dims: list) -> None:
         else:
             layer["inputs"].append(j)
             dims.append(dims[i] + dims[j])
-    if op == "linear":
+    if op in ("linear", "deconv"):
         layer["units"] = draw(st.integers(1, 16))
         layer["act"] = draw(st.sampled_from(ACTIVATIONS + ("none",)))
         if kind == "conv":
@@ -120,7 +135,7 @@ def _draw_layer(draw, st, kind: str, layer: dict, dims: list) -> None:
     elif op == "pool":
         layer["pool"] = draw(st.sampled_from(("max", "avg")))
         dims.append(dims[i])
-    elif op == "norm":
+    elif op in ("norm", "gate", "layernorm", "softmax"):
         dims.append(dims[i])
 
 
@@ -178,13 +193,17 @@ def _parameters(spec: dict, tf) -> tuple[list, list]:
     for layer in layers:
         d_in = node_dims[layer["inputs"][0]]
         p = {}
-        if layer["op"] == "linear":
+        if layer["op"] in ("linear", "deconv"):
             kernel = layer.get("kernel", 1)
-            shape = ([kernel, kernel, d_in, layer["units"]] if conv
-                     else [d_in, layer["units"]])
+            # conv2d_transpose's filter is [h, w, out, in].
+            shape = ([kernel, kernel, d_in, layer["units"]] if layer["op"] == "linear"
+                     else [kernel, kernel, layer["units"], d_in])
+            shape = shape if conv else [d_in, layer["units"]]
             p["w"] = var(shape, k, layer["device"], 1.0 / math.sqrt(d_in * kernel ** 2))
             p["b"] = var([layer["units"]], k + 1, layer["device"], 0.1)
-        elif layer["op"] == "norm":
+        elif layer["op"] == "tied":
+            p = params[layer["source"]]
+        elif layer["op"] in ("norm", "layernorm"):
             p["gamma"] = var([d_in], k, layer["device"], init=1.0)
             p["beta"] = var([d_in], k + 1, layer["device"], init=0.0)
         k += 2
@@ -193,8 +212,10 @@ def _parameters(spec: dict, tf) -> tuple[list, list]:
             node_dims += layer["sizes"]
         elif layer["op"] == "concat":
             node_dims.append(d_in + node_dims[layer["inputs"][1]])
-        elif layer["op"] == "linear":
+        elif layer["op"] in ("linear", "deconv"):
             node_dims.append(layer["units"])
+        elif layer["op"] == "tied":
+            node_dims.append(layers[layer["source"]]["units"])
         else:
             node_dims.append(d_in)
     if node_dims != dims:
@@ -204,8 +225,8 @@ def _parameters(spec: dict, tf) -> tuple[list, list]:
 
 def _activation(tf, name: str, x):
     return {"relu": tf.nn.relu, "tanh": tf.tanh, "sigmoid": tf.sigmoid,
-            "elu": tf.nn.elu, "softplus": tf.nn.softplus,
-            "none": tf.identity}[name](x)
+            "elu": tf.nn.elu, "softplus": tf.nn.softplus, "gelu": tf.nn.gelu,
+            "swish": tf.nn.silu, "none": tf.identity}[name](x)
 
 
 def _layer(tf, spec: dict, n: int, layer: dict, p: dict, nodes: list) -> list:
@@ -213,9 +234,24 @@ def _layer(tf, spec: dict, n: int, layer: dict, p: dict, nodes: list) -> list:
     conv = spec["kind"] == "conv"
     a = nodes[layer["inputs"][0]]
     op = layer["op"]
-    if op == "linear":
+    if op in ("linear", "tied"):
         y = (tf.nn.conv2d(a, p["w"], 1, "SAME") if conv else a @ p["w"])
         return [_activation(tf, layer["act"], tf.nn.bias_add(y, p["b"]))]
+    if op == "deconv":
+        # A constant output shape where the batch is known, so that shape
+        # inference knows the output (a tf.shape-built one hides it).
+        batch = a.shape[0] if a.shape[0] is not None else tf.shape(a)[0]
+        shape = [batch, spec["hw"], spec["hw"], layer["units"]]
+        y = tf.nn.conv2d_transpose(a, p["w"], shape, 1, "SAME")
+        return [_activation(tf, layer["act"], tf.nn.bias_add(y, p["b"]))]
+    if op == "gate":
+        mean = tf.reduce_mean(a, [1, 2] if conv else [-1], keepdims=True)
+        return [a * tf.sigmoid(mean)]
+    if op == "layernorm":
+        mean, variance = tf.nn.moments(a, [-1], keepdims=True)
+        return [(a - mean) * tf.math.rsqrt(variance + 1e-3) * p["gamma"] + p["beta"]]
+    if op == "softmax":
+        return [tf.nn.softmax(a, axis=-1)]
     if op == "act":
         return [_activation(tf, layer["act"], a)]
     if op == "cond":
