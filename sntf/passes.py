@@ -226,11 +226,16 @@ def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,
     if base is None:
         return planner.Outcome(planner.identity_plan(
             state.policy, "no analysis: graph left unchanged"))
-    fits = _fits_device_limit(state, base, index, env, budget, report)
-    if fits is not None:
-        return planner.Outcome(planner.identity_plan(state.policy, fits))
+    room = _device_room(state, base, index, env, budget)
+    if room is not None:
+        report["device_limit_bytes"] = room.limit
+        fits = _fits_device_limit(state, base, room)
+        if fits is not None:
+            report["device_limit_fits"] = True
+            return planner.Outcome(planner.identity_plan(state.policy, fits))
     ctx = _context(state, env, budget, index, report)
-    return planner.plan(state.policy, base, ctx, report["graph"])
+    outcome = planner.plan(state.policy, base, ctx, report["graph"])
+    return outcome if room is None else _check_device_limit(outcome, base, room, report)
 
 
 def _context(state: config.State, env: Environment, budget: Optional[int], index,
@@ -319,14 +324,27 @@ def _onednn(env: Environment, index) -> bool:
     return env.onednn and not _on_gpu(index)
 
 
-def _fits_device_limit(state: config.State, base: Analyzed, index, env: Environment,
-                       budget: Optional[int], report: dict) -> Optional[str]:
+@dataclasses.dataclass(frozen=True)
+class _DeviceRoom:
+    """What a graph may use of its device under the allocator's limit."""
+
+    device: str
+    limit: int      # the allocator's bytes_limit
+    usable: int     # less the analysis' margin
+    outside: int    # held outside the graph (allocated first)
+
+    def runs_out(self, facts) -> bool:
+        """Whether the allocator model runs out of memory on this step (a
+        multi-device graph is judged by its peak alone)."""
+        return not facts.device_timelines and memory.runs_out_of_memory(
+            facts, self.usable, self.outside) is not None
+
+
+def _device_room(state: config.State, base: Analyzed, index, env: Environment,
+                 budget: Optional[int]) -> Optional[_DeviceRoom]:
     """Policy "auto" without a budget, on a device whose allocator has a
-    limit (a GPU's, or the CPU's under TF_CPU_BFC_MEM_LIMIT_IN_MB): a graph
-    predicted to fit under it, less the analysis' margin and what the
-    device holds outside the graph, is left as it is (no overhead where
-    nothing is needed); one that does not is planned as low as the policy
-    goes. Returns the note of an unchanged graph, or None."""
+    limit (a GPU's, or the CPU's under TF_CPU_BFC_MEM_LIMIT_IN_MB): the room
+    the step has there; else None."""
     if state.policy != "auto" or budget is not None or state.budget is not None:
         return None
     device = graph_device(index)
@@ -334,22 +352,39 @@ def _fits_device_limit(state: config.State, base: Analyzed, index, env: Environm
     if not limit:
         return None
     outside = (_outside_bytes(index, base.facts, env.in_use) or 0) if env.in_use else 0
-    usable = int(limit * (1.0 - state.options.budget_margin))
+    return _DeviceRoom(device, limit, int(limit * (1.0 - state.options.budget_margin)),
+                       outside)
+
+
+def _fits_device_limit(state: config.State, base: Analyzed, room: _DeviceRoom) -> Optional[str]:
+    """A graph predicted to fit its device's limit, less the analysis'
+    margin and what the device holds outside the graph, is left as it is
+    (no overhead where nothing is needed); one that does not is planned as
+    low as the policy goes. A peak under the limit is not enough: the
+    allocator's regions may leave no chunk for a large request
+    (analysis.bfc). Returns the note of an unchanged graph, or None."""
     peak = base.facts.budget_peak_bytes
-    report["device_limit_bytes"] = limit
-    if peak > usable - outside:
+    if peak > room.usable - room.outside or room.runs_out(base.facts):
         return None
-    # A peak under the limit is not enough: the allocator's regions may
-    # leave no chunk for a large request (analysis.bfc).
-    if not base.facts.device_timelines and memory.runs_out_of_memory(
-            base.facts, usable, outside) is not None:
-        report["limit_note"] = (f"the predicted peak {peak} bytes is under {device}'s "
-                                f"limit, but its allocator would run out of memory")
-        return None
-    return (f"auto without a budget: the predicted peak {peak} bytes fits {device}'s "
-            f"allocator limit of {limit} bytes (less the margin "
-            f"{state.options.budget_margin:g} and {outside} bytes held outside the "
+    return (f"auto without a budget: the predicted peak {peak} bytes fits "
+            f"{room.device}'s allocator limit of {room.limit} bytes (less the margin "
+            f"{state.options.budget_margin:g} and {room.outside} bytes held outside the "
             "graph), so the graph is left as it is")
+
+
+def _check_device_limit(outcome: planner.Outcome, base: Analyzed, room: _DeviceRoom,
+                        report: dict) -> planner.Outcome:
+    """Says, in the report and once in the log, when even the plan is
+    predicted to run out of memory under the device's limit."""
+    facts = (outcome.planned or base).facts
+    report["device_limit_fits"] = not room.runs_out(facts)
+    if report["device_limit_fits"]:
+        return outcome
+    warning = (f"{report['graph']}: predicted to run out of memory under {room.device}'s "
+               f"allocator limit of {room.limit / 2**20:.0f} MiB even as planned "
+               f"(planned peak {facts.budget_peak_bytes / 2**20:.1f} MiB); a smaller "
+               "batch or model would fit")
+    return dataclasses.replace(outcome, warnings=outcome.warnings + (warning,))
 
 
 def graph_device(index) -> str:

@@ -94,13 +94,27 @@ def test_fit_reads_the_cpu_allocator_limit(fresh_python):
     assert result["budgets"] and set(result["budgets"]) == {300 * MIB}
 
 
-def _auto_without_budget(limit):
+def _auto_without_budget(limit, result=False):
     g, props = mlp_step()
     state = config.State(enabled=True, policy="auto", budget=None,
                          options=config.parse_options({}))
     env = passes.Environment(allocator_limit=lambda d: limit)
-    return passes.run_pass(g.SerializeToString(), ["ret"], [], state,
-                           properties_fn(props), env=env).report
+    run = passes.run_pass(g.SerializeToString(), ["ret"], [], state,
+                          properties_fn(props), env=env)
+    return run if result else run.report
+
+
+def test_a_plan_that_would_still_run_out_of_memory_says_so():
+    unlimited = _auto_without_budget(None)
+    planned = unlimited["planned_peak_bytes"]
+    roomy = _auto_without_budget(4 * planned)
+    assert roomy["device_limit_fits"] is True
+    assert "device_limit_fits" not in unlimited
+    tight = _auto_without_budget(planned // 2, result=True)
+    assert tight.report["action"] == "rewritten"
+    assert tight.report["device_limit_fits"] is False
+    assert any("predicted to run out of memory under CPU:0's allocator limit" in w
+               for w in tight.warnings), tight.warnings
 
 
 def test_auto_without_budget_leaves_a_graph_that_fits_the_device_limit():
