@@ -24,6 +24,25 @@ CI_CASES = 200
 
 # Cases the fuzzer found, kept as regression tests (replayed one by one):
 REGRESSIONS = {
+    # Order edges for weight gradients: a transposed convolution's filter
+    # gradient reads the forward activation where others read the output
+    # gradient, and two edges, each fine alone, closed a cycle together
+    # ("the rewrite created a cycle", two devices, memory-centric).
+    "order edges closing a cycle together": {
+        "kind": "conv", "hw": 4, "dims": [3, 3, 3, 3, 3, 3, 9, 9, 13, 5],
+        "layers": [
+            {"op": "act", "inputs": [0], "device": 1, "act": "tanh"},
+            {"op": "layernorm", "inputs": [0], "device": 1},
+            {"op": "act", "inputs": [1], "device": 1, "act": "softplus"},
+            {"op": "softmax", "inputs": [1], "device": 1},
+            {"op": "norm", "inputs": [2], "device": 0},
+            {"op": "deconv", "inputs": [2], "device": 0, "units": 9, "act": "tanh", "kernel": 3},
+            {"op": "norm", "inputs": [6], "device": 0},
+            {"op": "linear", "inputs": [7], "device": 0, "units": 13, "act": "swish", "kernel": 3},
+            {"op": "linear", "inputs": [8], "units": 5, "act": "none", "device": 0, "kernel": 1}],
+        "extra_loss": 5, "batch": 6, "unknown_batch": False, "two_devices": True,
+        "guarded_update": False, "policy": "swap+recompute", "recompute_mode": "memory",
+        "budget": 1024, "swap_min_bytes": 4096, "batch_size_option": False, "seed": 129},
     # The planner released a recomputed clone by the backward op scheduled
     # right before its reader: a variable update downstream of a BiasAddGrad
     # that oneDNN fuses with the reader's Conv2DBackpropFilter after Grappler,

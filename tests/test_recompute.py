@@ -581,3 +581,20 @@ def test_with_segments_shape_readers_keep_the_original():
     assert set(recipes) == {"r:0", "p:0"}   # r with its MatMul
     readers = {c for group in recipes["p:0"].groups for c, _ in group.consumers}
     assert readers == {"grad/pool"}
+
+
+def test_order_edges_that_close_a_cycle_together_are_not_both_taken():
+    """a -> b and c -> d: the edges b -> c and d -> a are each fine alone
+    and close a cycle together. A transposed convolution's filter gradient
+    made such a pair (its third input is the forward activation, not an
+    output gradient), and the rewrite failed with a cycle."""
+    from sntf.planner import order
+
+    b = GraphBuilder()
+    (b.arg("x").op("Identity", "a", ["x"], T=DT_FLOAT).op("Identity", "b", ["a"], T=DT_FLOAT)
+     .op("Identity", "c", ["x"], T=DT_FLOAT).op("Identity", "d", ["c"], T=DT_FLOAT)
+     .retval("rb", "b").retval("rd", "d"))
+    g = G.build_index(b.build(), ["rb", "rd"])
+    n = {name: i for i, name in enumerate(g.names)}
+    edges = order._new_orders(g, [(n["b"], n["c"]), (n["d"], n["a"]), (n["a"], n["d"])])
+    assert [(e.before, e.after) for e in edges] == [("b", "c"), ("a", "d")]

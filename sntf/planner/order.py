@@ -53,10 +53,36 @@ def _new_orders(g, pairs: list) -> tuple:
     bit = {n: k for k, n in enumerate(sorted({n for pair in pairs for n in pair}))}
     ancestors = _ancestor_bits(g, bit)
     orders = {}
+    added: dict = {}   # before -> the afters of the edges taken so far
     for before, after in pairs:
-        if not (ancestors[after] >> bit[before] & 1 or ancestors[before] >> bit[after] & 1):
-            orders[(before, after)] = Order(before=g.names[before], after=g.names[after])
+        if (before, after) in orders or ancestors[after] >> bit[before] & 1:
+            continue
+        # Each pair alone is checked against the graph; two edges can still
+        # close a cycle together (a -> b's descendant, b -> a's), so the
+        # edges taken so far count too.
+        if ancestors[before] >> bit[after] & 1 or (added and _reaches(g, after, before,
+                                                                      added)):
+            continue
+        orders[(before, after)] = Order(before=g.names[before], after=g.names[after])
+        added.setdefault(before, []).append(after)
     return tuple(orders.values())
+
+
+def _reaches(g, start: int, goal: int, added: dict) -> bool:
+    """Whether goal is reachable from start over the graph's data and
+    control edges and the order edges in `added`."""
+    seen, stack = {start}, [start]
+    while stack:
+        node = stack.pop()
+        if node == goal:
+            return True
+        nexts = ([c for c, _, _ in g.consumers[node]] + list(g.control_consumers[node])
+                 + added.get(node, []))
+        for c in nexts:
+            if c not in seen:
+                seen.add(c)
+                stack.append(c)
+    return False
 
 
 def plan_update_order(g) -> tuple:
