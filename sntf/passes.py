@@ -47,6 +47,9 @@ class Environment:
       allocator_limit: device name -> its TensorFlow allocator's byte
         limit, or None where none was read (budget "auto" on the CPU binds
         only under such a limit: TF_CPU_BFC_MEM_LIMIT_IN_MB).
+      allocator_grows: device name -> whether its BFC allocator grows by
+        regions (the CPU's; a GPU's under memory growth) rather than taking
+        its whole limit at once.
       in_use: device name -> its allocator's bytes in use now, or None
         where the allocator keeps no statistics.
       xla_auto_jit: whether XLA auto-clustering may compile the graph after
@@ -58,6 +61,7 @@ class Environment:
     runtime_batch: Optional[int] = None
     device_memory: Callable[[str], int] = lambda device: 0
     allocator_limit: Callable[[str], Optional[int]] = lambda device: None
+    allocator_grows: Callable[[str], bool] = lambda device: True
     in_use: Optional[Callable[[str], Optional[int]]] = None
     xla_auto_jit: bool = False
 
@@ -332,12 +336,13 @@ class _DeviceRoom:
     limit: int      # the allocator's bytes_limit
     usable: int     # less the analysis' margin
     outside: int    # held outside the graph (allocated first)
+    grows: bool     # the allocator grows by regions (else one region)
 
     def runs_out(self, facts) -> bool:
         """Whether the allocator model runs out of memory on this step (a
         multi-device graph is judged by its peak alone)."""
         return not facts.device_timelines and memory.runs_out_of_memory(
-            facts, self.usable, self.outside) is not None
+            facts, self.usable, self.outside, self.grows) is not None
 
 
 def _device_room(state: config.State, base: Analyzed, index, env: Environment,
@@ -353,7 +358,7 @@ def _device_room(state: config.State, base: Analyzed, index, env: Environment,
         return None
     outside = (_outside_bytes(index, base.facts, env.in_use) or 0) if env.in_use else 0
     return _DeviceRoom(device, limit, int(limit * (1.0 - state.options.budget_margin)),
-                       outside)
+                       outside, env.allocator_grows(device))
 
 
 def _fits_device_limit(state: config.State, base: Analyzed, room: _DeviceRoom) -> Optional[str]:

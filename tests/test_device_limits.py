@@ -231,3 +231,30 @@ def test_a_step_whose_peak_fits_but_whose_regions_do_not_is_planned(tmp_path):
     base = run("none", limit_mib=None)
     assert trained["losses"] == base["losses"]
     assert trained["weights_sha256"] == base["weights_sha256"]
+
+
+def test_a_gpu_without_memory_growth_is_one_region():
+    """TensorFlow's GPU allocator takes its whole limit at the first
+    allocation unless memory growth is on: the sequence that runs out of
+    memory in growing regions under 100 MiB fits in one region of 100."""
+    sizes = {("p", 0): 256, ("a", 0): 20 * MIB, ("b", 0): 20 * MIB, ("c", 0): 40 * MIB}
+    intervals = {("a", 0): (0, 1), ("b", 0): (0, 5), ("c", 0): (2, 5)}
+
+    def simulate(grows):
+        try:
+            bfc.simulate(sizes, {("p", 0)}, intervals, 5, lambda b: False,
+                         limit=100 * MIB, grows=grows)
+        except bfc.OutOfMemory as e:
+            return e.step
+        return None
+
+    assert simulate(grows=True) == 2
+    assert simulate(grows=False) is None
+
+
+def test_which_allocators_grow(monkeypatch):
+    monkeypatch.delenv("TF_FORCE_GPU_ALLOW_GROWTH", raising=False)
+    assert environment.allocator_grows("CPU:0")
+    assert not environment.allocator_grows("/device:GPU:1")
+    monkeypatch.setenv("TF_FORCE_GPU_ALLOW_GROWTH", "true")
+    assert environment.allocator_grows("GPU:1")

@@ -169,7 +169,7 @@ class BfcModel:
 
 def simulate(buffer_bytes: dict, persistent, intervals: dict, end: int,
              is_scratch: Callable[[tuple], bool], limit: Optional[int] = None,
-             outside: int = 0) -> tuple[int, ...]:
+             outside: int = 0, grows: bool = True) -> tuple[int, ...]:
     """Bytes the allocator reports in use at each step of a schedule.
 
     What the device holds outside the graph (`outside` bytes), then the
@@ -185,6 +185,8 @@ def simulate(buffer_bytes: dict, persistent, intervals: dict, end: int,
       is_scratch: whether a buffer is an op's scratch memory.
       limit: the allocator's limit, or None.
       outside: bytes held outside the graph.
+      grows: the allocator grows by regions from 2 MiB (allow_growth, the
+        CPU's); else its first region is the whole limit (a GPU's default).
 
     Returns:
       Bytes in use at every step.
@@ -192,7 +194,8 @@ def simulate(buffer_bytes: dict, persistent, intervals: dict, end: int,
     Raises:
       OutOfMemory: under the limit; its step says where.
     """
-    sim = BfcModel(limit=limit)
+    first = INITIAL_REGION_BYTES if grows or limit is None else limit
+    sim = BfcModel(initial_region_bytes=first, limit=limit)
     step = -1
     try:
         if outside:

@@ -437,14 +437,16 @@ def _lower_bound_and_costs(live: _Liveness, batch: Optional[int],
 
 
 def _simulate(buffer_bytes: dict, persistent: set, intervals: dict, end: int,
-              limit: Optional[int] = None, outside: int = 0) -> tuple[int, ...]:
+              **limits) -> tuple[int, ...]:
     """Bytes TensorFlow's BFC allocator reports in use at each step
-    (bfc.simulate, with this module's scratch buffers)."""
+    (bfc.simulate, with this module's scratch buffers; limits: its limit,
+    outside and grows)."""
     return bfc.simulate(buffer_bytes, persistent, intervals, end,
-                        lambda b: b[1] == SCRATCH_PORT, limit=limit, outside=outside)
+                        lambda b: b[1] == SCRATCH_PORT, **limits)
 
 
-def runs_out_of_memory(analysis: Analysis, limit: int, outside: int = 0) -> Optional[int]:
+def runs_out_of_memory(analysis: Analysis, limit: int, outside: int = 0,
+                       grows: bool = True) -> Optional[int]:
     """The first schedule step at which the step would run out of memory
     under an allocator limit (bfc.OutOfMemory), or None if it fits.
 
@@ -452,13 +454,16 @@ def runs_out_of_memory(analysis: Analysis, limit: int, outside: int = 0) -> Opti
       analysis: a single-device graph's analysis.
       limit: the allocator's limit in bytes.
       outside: bytes the device holds outside the graph, allocated first.
+      grows: the allocator grows by regions (allow_growth); else it takes
+        the whole limit as one region.
 
     Returns:
       The step, -1 if what exists before the step does not fit, or None.
     """
     try:
         _simulate(analysis.buffer_bytes, analysis.persistent_buffers,
-                  analysis.buffer_intervals, len(analysis.schedule), limit, outside)
+                  analysis.buffer_intervals, len(analysis.schedule),
+                  limit=limit, outside=outside, grows=grows)
     except bfc.OutOfMemory as e:
         return e.step
     return None

@@ -23,6 +23,7 @@ _gpu_total: list = []
 # Device ("CPU:0", "GPU:1") -> its TensorFlow allocator's bytes_limit, read by
 # record_device_limits().
 _device_limits: dict = {}
+_memory_growth: dict = {}   # GPU name -> whether memory growth is on
 _limits_read: list = [False]
 _settings_lock = threading.Lock()
 _set_by_sntf: dict = {}       # environment variable -> the value sntf set
@@ -135,6 +136,22 @@ def allocator_limit(device: str) -> Optional[int]:
         return _device_limits.get(_short_device(device))
 
 
+def allocator_grows(device: str) -> bool:
+    """Whether the device's BFC allocator grows by regions (allow_growth).
+
+    The CPU's always does. A GPU's takes its whole limit as one region at the
+    first allocation unless memory growth is on: TF_FORCE_GPU_ALLOW_GROWTH,
+    or tf.config.experimental.set_memory_growth (read at fit()).
+    """
+    short = _short_device(device)
+    if not short.startswith("GPU"):
+        return True
+    if os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH", "").lower() == "true":
+        return True
+    with _settings_lock:
+        return _memory_growth.get(short, False)
+
+
 def record_device_limits_if_initialized() -> None:
     """record_device_limits(), but only where TensorFlow's devices exist
     already (enable() must not be what creates them)."""
@@ -184,11 +201,14 @@ def record_device_limits() -> dict:
             limit = native.device_bytes_limit(name)
             if limit:
                 found[name] = int(limit)
+        growth = {f"GPU:{i}": bool(tf.config.experimental.get_memory_growth(gpu))
+                  for i, gpu in enumerate(tf.config.list_physical_devices("GPU"))}
     except Exception as e:  # noqa: BLE001 - fall back to the device totals
         logger.debug("allocator limits unavailable: %s", e)
         return {}
     with _settings_lock:
         _device_limits.update(found)
+        _memory_growth.update(growth)
         _limits_read[0] = True
     return found
 
@@ -238,6 +258,7 @@ def current():
                        runtime_batch=runtime_batch(),
                        device_memory=device_memory_bytes, in_use=device_in_use,
                        allocator_limit=allocator_limit,
+                       allocator_grows=allocator_grows,
                        xla_auto_jit=xla.auto_clustering_on())
 
 
