@@ -45,10 +45,12 @@ def _example():
 
 
 def _cell(result: dict) -> str:
-    """'trains, 81.2 MiB', 'OOM' or 'failed (...)' for one run."""
+    """'trains, 81.2 MiB', 'OOM' or 'failed (...)' for one run (a failure's
+    output goes to stderr)."""
     if "out_of_memory" in result:
         return "OOM"
     if "failed" in result:
+        sys.stderr.write(result.get("stderr", "") + "\n")
         return f"failed ({result['failed']})"
     return f"trains, {result['peak_bytes'] / MIB:.1f} MiB"
 

@@ -353,7 +353,7 @@ def test_densenet_memory_centric_stays_below_speed_centric_after_the_first_step(
         return steps[-1] <= steps[0] * 1.03
 
     # Without the edges every run fragmented. With them, one run inside a
-    # full two-process suite measured [75.1, 98.6, 98.6] MiB, while fourteen
+    # full two-process suite measured [75.1, 98.6, 98.6] MiB, while eighteen
     # runs alone or beside CPU hogs stayed within 2%: one inter-op thread
     # does not fix the executor's order entirely (the input iterator answers
     # from another thread). Two runs of three must hold.
