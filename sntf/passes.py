@@ -387,8 +387,8 @@ def _check_device_limit(outcome: planner.Outcome, base: Analyzed, room: _DeviceR
         return outcome
     warning = (f"{report['graph']}: predicted to run out of memory under {room.device}'s "
                f"allocator limit of {room.limit / 2**20:.0f} MiB even as planned "
-               f"(planned peak {facts.budget_peak_bytes / 2**20:.1f} MiB); a smaller "
-               "batch or model would fit")
+               f"(planned peak {facts.budget_peak_bytes / 2**20:.1f} MiB); try a smaller "
+               "batch")
     return dataclasses.replace(outcome, warnings=outcome.warnings + (warning,))
 
 
