@@ -95,8 +95,8 @@ def _draw_layer(draw, st, kind: str, layer: dict, dims: list, earlier: list) -> 
     if op == "split" and dims[i] < 2:
         op = layer["op"] = "act"
     if op == "tied":
-        # _parameters numbers dims in layer order: an earlier linear layer
-        # whose input has this input's width.
+        # An earlier linear layer whose input has this input's width: its
+        # weights fit this input too.
         sources = [k for k, l in enumerate(earlier)
                    if l["op"] == "linear" and dims[l["inputs"][0]] == dims[i]]
         if not sources:
