@@ -47,7 +47,8 @@ def plan_gradient_order(g) -> tuple:
 def _new_orders(g, pairs: list) -> tuple:
     """Order edges for (before, after) node pairs, in the pairs' order, less
     duplicates and the pairs already ordered (before is an ancestor of
-    after) or that would close a cycle (after is an ancestor of before)."""
+    after) or that would close a cycle (after reaches before, through the
+    graph and the edges already taken)."""
     if not pairs:
         return ()
     bit = {n: k for k, n in enumerate(sorted({n for pair in pairs for n in pair}))}
@@ -56,32 +57,32 @@ def _new_orders(g, pairs: list) -> tuple:
     added: dict = {}   # before -> the afters of the edges taken so far
     for before, after in pairs:
         if (before, after) in orders or ancestors[after] >> bit[before] & 1:
-            continue
-        # Each pair alone is checked against the graph; two edges can still
-        # close a cycle together (a -> b's descendant, b -> a's), so the
+            continue   # already ordered
+        # Two edges each fine alone can close a cycle together, so the
         # edges taken so far count too.
-        if ancestors[before] >> bit[after] & 1 or (added and _reaches(g, after, before,
-                                                                      added)):
+        if _reaches(ancestors, bit, after, before, added):
             continue
         orders[(before, after)] = Order(before=g.names[before], after=g.names[after])
         added.setdefault(before, []).append(after)
     return tuple(orders.values())
 
 
-def _reaches(g, start: int, goal: int, added: dict) -> bool:
-    """Whether goal is reachable from start over the graph's data and
-    control edges and the order edges in `added`."""
-    seen, stack = {start}, [start]
-    while stack:
-        node = stack.pop()
-        if node == goal:
+def _reaches(ancestors: dict, bit: dict, start: int, goal: int, added: dict) -> bool:
+    """Whether goal is reachable from start over the graph's edges and the
+    order edges in `added` (before -> afters). A path is graph stretches
+    joined by added edges, so only the marked nodes (the keys of `bit`)
+    are visited, never the graph itself: the pass runs this per pair."""
+    seen, reached = {start}, [start]
+    while reached:
+        node = reached.pop()
+        if ancestors[goal] >> bit[node] & 1:
             return True
-        nexts = ([c for c, _, _ in g.consumers[node]] + list(g.control_consumers[node])
-                 + added.get(node, []))
-        for c in nexts:
-            if c not in seen:
-                seen.add(c)
-                stack.append(c)
+        for source, targets in added.items():
+            if ancestors[source] >> bit[node] & 1:
+                for target in targets:
+                    if target not in seen:
+                        seen.add(target)
+                        reached.append(target)
     return False
 
 
