@@ -15,6 +15,11 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "sntf", "testing", "workers")
+# TensorFlow's own CPU kernels, for a test that needs a small model's graph
+# rewritten: oneDNN's convolutions take no im2col scratch from TensorFlow's
+# allocator, and that scratch is what a plan lowers there. The BFC allocator
+# keeps the peak the workers read.
+TF_KERNELS_ENV = {"TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
 
 
 def _env(extra=None):

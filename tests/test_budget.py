@@ -317,13 +317,11 @@ def test_auto_under_a_budget_trains_bit_identically(fresh_python, tmp_path, fami
 @pytest.mark.slow
 def test_batch_comes_from_the_input_fit_feeds_and_survives_a_partial_batch(
         fresh_python, tmp_path):
-    from conftest import train_family
+    from conftest import TF_KERNELS_ENV as tf_kernels, train_family
 
     flags = ("--extra-samples", "3")          # a last batch of 3
-    # TensorFlow's own convolutions: at batch 8 their im2col scratch is what a
-    # plan can lower, and the test needs a rewritten graph to read the batch of.
-    # (The worker reads the allocator's peak: the BFC allocator keeps it.)
-    tf_kernels = {"TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
+    # TensorFlow's own convolutions: the test needs a rewritten graph to
+    # read the batch of.
     base, weights = train_family(fresh_python, tmp_path / "base.npz", "resnet",
                                  *flags, steps=3, batch=8, env=tf_kernels)
     result, got = train_family(fresh_python, tmp_path / "auto.npz", "resnet", *flags,

@@ -9,6 +9,8 @@ process-wide.
 
 import pytest
 
+from conftest import TF_KERNELS_ENV
+
 PRELUDE = """
 import json, os
 import numpy as np
@@ -51,7 +53,7 @@ def report(**values):
     print("RESULT " + json.dumps(values))
 """
 
-BFC = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_ENABLE_ONEDNN_OPTS": "0"}
+BFC = TF_KERNELS_ENV
 
 
 def _run(fresh_python, body, env=None):

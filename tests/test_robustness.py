@@ -5,7 +5,7 @@ that says why; none fails (fresh processes, op determinism on)."""
 
 import pytest
 
-from conftest import assert_identical, train_family, train_worker
+from conftest import TF_KERNELS_ENV, assert_identical, train_family, train_worker
 
 POLICIES = ("recompute", "swap+recompute")
 SMALL_SWAPS = ("--swap-min-bytes", "4096")    # batch 8: small activations
@@ -60,10 +60,8 @@ def test_recurrent_model_is_identical_and_says_what_it_did(fresh_python, tmp_pat
 @pytest.mark.parametrize("model", ["cnn", "mlp"])
 def test_custom_gradient_tape_loop_is_rewritten_and_identical(fresh_python, tmp_path,
                                                               model):
-    # TensorFlow's own convolutions: the small CNN's plans lower its peak
-    # through their im2col scratch, which oneDNN's kernels do not take.
-    # (The worker reads the allocator's peak: the BFC allocator keeps it.)
-    tf_kernels = {"TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
+    # TensorFlow's own convolutions: the small CNN needs a rewritten graph.
+    tf_kernels = TF_KERNELS_ENV
     base, weights = _train_model(fresh_python, tmp_path / "base.npz", model,
                                  "--custom-loop", env=tf_kernels)
     for policy in POLICIES:
