@@ -232,3 +232,10 @@ WORKSPACE_PAIRS = {("MaxPool", "MaxPoolGrad"): 1, ("MaxPool3D", "MaxPool3DGrad")
 # Convolution backprops whose CPU kernels take an im2col scratch buffer.
 CONV_BACKPROP_INPUT_OP = "Conv2DBackpropInput"
 CONV_BACKPROP_FILTER_OP = "Conv2DBackpropFilter"
+
+# The pairs TensorFlow's oneDNN graph pass merges (sntf.graph.fusions).
+CONV2D_OP = "Conv2D"
+BIAS_ADD_OP = "BiasAdd"
+BIAS_ADD_GRAD_OP = "BiasAddGrad"
+PAD_OPS = frozenset({"Pad"})
+PAD_MERGED_CONVOLUTIONS = frozenset({"Conv2D", "_FusedConv2D"})

@@ -1,6 +1,7 @@
 """Rewrite: Plan + GraphDef -> GraphDef, validated.
 
     apply     the plan's recipes and orders as new nodes and edges
+    fusions   the node pairs oneDNN merged stay merged
     validate  the result indexes, is acyclic and keeps its fetch nodes
 """
 
@@ -10,9 +11,11 @@ from typing import Optional
 
 from sntf.analysis import Analyzed, analyze_graph
 from sntf.rewrite.apply import RewriteResult, apply_plan, set_cache_limits
+from sntf.rewrite.fusions import keep_merges
 from sntf.rewrite.validate import validate
 
-__all__ = ["RewriteResult", "apply_plan", "evaluator", "set_cache_limits", "validate"]
+__all__ = ["RewriteResult", "apply_plan", "evaluator", "keep_merges", "set_cache_limits",
+           "validate"]
 
 
 def evaluator(threads: Optional[int], onednn: bool = False):
@@ -25,15 +28,19 @@ def evaluator(threads: Optional[int], onednn: bool = False):
 
     Returns:
       A callable (plan, Analyzed) -> Analyzed of the rewritten graph, or
-      None when the plan changes nothing; a malformed or cyclic result
-      raises GraphError.
+      None when the plan changes nothing; a malformed or cyclic result, or
+      one that would change what oneDNN merges (keep_merges), raises
+      GraphError.
     """
     def evaluate(plan, base: Analyzed) -> Optional[Analyzed]:
         result = apply_plan(base.graph_def, plan)
         if not result.modified:
             return None
-        index = validate(result.graph_def, base.index)
-        return analyze_graph(result.graph_def, index, base.props, base.facts.batch,
+        graph_def = result.graph_def
+        if onednn:
+            graph_def = keep_merges(graph_def, base.index)
+        index = validate(graph_def, base.index)
+        return analyze_graph(graph_def, index, base.props, base.facts.batch,
                              threads, onednn)
 
     return evaluate

@@ -1,0 +1,76 @@
+"""Keeps the node pairs TensorFlow's oneDNN pass merged in the original graph
+merged in the rewritten one (see sntf.graph.fusions)."""
+
+from __future__ import annotations
+
+from sntf.graph import names
+from sntf.graph.fusions import merge_pairs
+from sntf.graph.index import GraphError, GraphIndex, build_index, parse_input
+
+
+def keep_merges(graph_def, before: GraphIndex):
+    """Gives both nodes of every merge pair the same control inputs again
+    where the original graph had them equal (the oneDNN pass merged them
+    there): each gets the control inputs only the other has.
+
+    A recompute clone counts as the node it was cloned from, so a cloned
+    pair stays merged as the original pair is.
+
+    Args:
+      graph_def: the rewritten GraphDef (left untouched).
+      before: the index of the graph it was rewritten from.
+
+    Returns:
+      graph_def itself when nothing needed changing, else a new GraphDef.
+
+    Raises:
+      GraphError: a merged pair that cannot stay merged: one of a
+        Conv2D -> BiasAdd pair gained a control input (TensorFlow aborts on
+        such a merge), or a node would have to wait for itself.
+    """
+    index = build_index(graph_def)
+    pairs = [(index.names[p.first], index.names[p.second], p.strict)
+             for p in merge_pairs(index)
+             if _merged_before(before, index.names[p.first], index.names[p.second])]
+    if not pairs:
+        return graph_def
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    nodes = {n.name: n for n in out.node}
+    changed = False
+    for first, second, strict in pairs:
+        a, b = _controls(nodes[first]), _controls(nodes[second])
+        if a == b:
+            continue
+        if strict:
+            raise GraphError(
+                f"the rewrite gave control inputs to {first!r} or {second!r}, a "
+                "Conv2D -> BiasAdd pair oneDNN merges (TensorFlow aborts on "
+                "such a merge)")
+        if first in b or second in a:
+            raise GraphError(f"{first!r} and {second!r}, a pair oneDNN merges, "
+                             "would have to wait for each other")
+        nodes[first].input.extend("^" + n for n in sorted(b - a))
+        nodes[second].input.extend("^" + n for n in sorted(a - b))
+        changed = True
+    return out if changed else graph_def
+
+
+def _controls(node) -> frozenset:
+    """The names of a NodeDef's control inputs."""
+    found = set()
+    for text in node.input:
+        name, _, control = parse_input(text)
+        if control:
+            found.add(name)
+    return frozenset(found)
+
+
+def _merged_before(before: GraphIndex, first: str, second: str) -> bool:
+    """Whether the original nodes behind first and second (a clone's source
+    for a clone) had the same control inputs."""
+    sources = [names.recompute_source(n) or n for n in (first, second)]
+    if not all(n in before.index for n in sources):
+        return False
+    a, b = (frozenset(before.control_inputs[before.node(n)]) for n in sources)
+    return a == b
