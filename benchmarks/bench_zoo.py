@@ -2,7 +2,8 @@
 
     python benchmarks/bench_zoo.py [--models preact_resnet,gpt,...]
                                    [--settings user,lab] [--repeats 3] [--steps 3]
-                                   [--configs recompute,swap+recompute,auto@0.5]
+                                   [--configs recompute,swap+recompute,auto@0.5,
+                                              swap+recompute:free]
                                    [--out BENCHMARKS_zoo.md]
 
 For every architecture of sntf.testing.zoo (or --models) and every setting
@@ -14,6 +15,8 @@ processes (sntf/testing/workers/measure_peak.py), `repeats` times each:
   recompute         policy "recompute"
   swap+recompute    policy "swap+recompute"
   auto@F            policy "auto" with a budget of F x TensorFlow's median peak
+  CONFIG:free       the same with the option pin_order=False (the executor
+                    free to reorder the planned allocations)
 
 and tabulates, per configuration: the CPU:0 allocator peak (min-max over the
 repeats); the worst run's peak over TensorFlow's best (a ratio above 1 means
@@ -44,7 +47,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("models", list(zoo.NAMES), "zoo architectures")
 flags.DEFINE_list("settings", ["user", "lab"], "user and/or lab")
 flags.DEFINE_list("configs", ["recompute", "swap+recompute", "auto@0.5"],
-                  "sntf configurations: a policy, or auto@FRACTION")
+                  "sntf configurations: a policy, or auto@FRACTION; a suffix "
+                  "':free' runs it with pin_order=False")
 flags.DEFINE_integer("repeats", 3, "fresh processes per configuration")
 flags.DEFINE_integer("steps", 3, "training steps per run")
 flags.DEFINE_integer("timeout", 1800, "seconds per run")
@@ -53,14 +57,15 @@ flags.DEFINE_string("out", None, "markdown file for the table")
 MIB = float(1 << 20)
 
 
-def _runs(model: str, settings: str, policy: str, budget=None) -> list:
+def _runs(model: str, settings: str, policy: str, budget=None,
+          pin_order: bool = True) -> list:
     runs = []
     for _ in range(FLAGS.repeats):
         try:
             runs.append(measure_peak.measure(
                 f"zoo:{model}", zoo.default_batch(model), steps=FLAGS.steps,
                 policy=policy, budget=budget, settings=settings,
-                timeout=FLAGS.timeout))
+                timeout=FLAGS.timeout, pin_order=pin_order))
         except Exception as e:  # noqa: BLE001 - a failed run is a table row
             runs.append({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
     return runs
@@ -106,11 +111,15 @@ def _row(model: str, settings: str, label: str, runs: list, base: list,
             f"{'yes' if same else 'NO'} ({'/'.join(sorted(actions))}) |")
 
 
-def _config(text: str, base_median: float):
+def _config(text: str, base_median: float) -> tuple:
+    """(policy, budget or None, pin_order) of a --configs entry."""
+    text, _, suffix = text.partition(":")
+    if suffix not in ("", "free"):
+        raise app.UsageError(f"--configs: unknown suffix {suffix!r} (accepted: ':free')")
     if "@" in text:
         policy, fraction = text.split("@")
-        return policy, int(float(fraction) * base_median)
-    return text, None
+        return policy, int(float(fraction) * base_median), not suffix
+    return text, None, not suffix
 
 
 def main(argv) -> int:
@@ -119,8 +128,9 @@ def main(argv) -> int:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     start = time.perf_counter()
     rows = ["| model | settings | configuration | peak MiB (min-max) | worst / TF best "
-            "| / lower bound | step time / TF | planned / measured | identical |",
-            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
+            "| / lower bound | step time / TF | planned / measured | worst / budget "
+            "| identical |",
+            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for model in FLAGS.models:
         for settings in FLAGS.settings:
             base = _runs(model, settings, "none")
@@ -129,8 +139,8 @@ def main(argv) -> int:
             if not _peaks(base):
                 continue
             for text in FLAGS.configs:
-                policy, budget = _config(text, statistics.median(_peaks(base)))
-                runs = _runs(model, settings, policy, budget)
+                policy, budget, pin = _config(text, statistics.median(_peaks(base)))
+                runs = _runs(model, settings, policy, budget, pin)
                 print(rows.append(_row(model, settings, text, runs, base, budget))
                       or rows[-1], flush=True)
     command = "python benchmarks/bench_zoo.py " + " ".join(

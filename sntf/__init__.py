@@ -89,7 +89,8 @@ def enable(policy: str = "auto", budget: config.Budgetish = None,
         a GPU, none on CPU), or None.
       **options: see sntf.config.Options (identity_rewrite, batch_size,
         host_pool_limit, max_reports, keep_graphs, recompute_mode,
-        swap_min_bytes, link_bandwidth, budget_behaviour, budget_margin).
+        swap_min_bytes, link_bandwidth, budget_behaviour, budget_margin,
+        pin_order).
 
     Raises:
       ValueError: a malformed policy, budget or option value.

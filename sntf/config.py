@@ -76,6 +76,11 @@ class Options:
     # error (BENCHMARKS.md gives planned against measured peaks): the
     # planner fits the plan under budget * (1 - budget_margin).
     budget_margin: float = 0.10
+    # Chain the memory-heavy ops of a rewritten graph in the order its plan
+    # was made for (control edges), so that the executor's thread pool
+    # cannot reorder the allocations the planned peak depends on. False
+    # leaves the executor free to run them side by side.
+    pin_order: bool = True
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
@@ -95,7 +100,7 @@ def parse_options(options: Mapping[str, Any]) -> Options:
         raise TypeError(f"sntf.enable() got unknown option(s) {unknown}; "
                         f"accepted options: {', '.join(OPTION_NAMES)}")
     values = dict(options)
-    for flag in ("identity_rewrite", "keep_graphs"):
+    for flag in ("identity_rewrite", "keep_graphs", "pin_order"):
         if flag in values and not isinstance(values[flag], bool):
             raise ValueError(f"sntf: {flag} must be True or False, got "
                              f"{values[flag]!r}")

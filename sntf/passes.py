@@ -253,7 +253,8 @@ def _context(state: config.State, env: Environment, budget: Optional[int], index
         outside_bytes=report.get("outside_bytes") or 0,
         budget_margin=state.options.budget_margin,
         budget_behaviour=state.options.budget_behaviour,
-        stage_seconds=report["stage_seconds"])
+        stage_seconds=report["stage_seconds"],
+        pin_order=state.options.pin_order)
 
 
 def _record_plan(outcome: planner.Outcome, base: Optional[Analyzed], index,

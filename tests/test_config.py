@@ -429,7 +429,7 @@ def test_option_names():
                                    "host_pool_limit", "max_reports", "keep_graphs",
                                    "recompute_mode", "swap_min_bytes",
                                    "link_bandwidth", "budget_behaviour",
-                                   "budget_margin")
+                                   "budget_margin", "pin_order")
 
 
 def test_parse_options_values():
@@ -452,6 +452,13 @@ def test_parse_options_accepts_numpy_scalars():
     assert type(options.batch_size) is int and type(options.budget_margin) is float
 
 
+def test_pin_order_takes_a_bool_only():
+    assert config.parse_options({}).pin_order is True
+    assert config.parse_options({"pin_order": False}).pin_order is False
+    with pytest.raises(ValueError, match=r"sntf: pin_order must be True or False, got 'no'"):
+        config.parse_options({"pin_order": "no"})
+
+
 def test_max_reports_bounds():
     assert config.parse_options({"max_reports": config.MAX_REPORTS}).max_reports == \
         config.MAX_REPORTS
@@ -466,7 +473,7 @@ def test_parse_options_unknown_key():
         "sntf.enable() got unknown option(s) ['alpha', 'zeta']; accepted "
         "options: identity_rewrite, batch_size, host_pool_limit, max_reports, "
         "keep_graphs, recompute_mode, swap_min_bytes, link_bandwidth, "
-        "budget_behaviour, budget_margin")
+        "budget_behaviour, budget_margin, pin_order")
 
 
 @pytest.mark.parametrize("options, fragment", [

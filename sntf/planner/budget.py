@@ -201,6 +201,15 @@ class Fitted:
     warning: Optional[str] = None
 
 
+def budget_target(base, ctx: Context) -> int:
+    """The planned peak a plan must not exceed to fit ctx.budget: the budget
+    less the analysis' error margin, less what the device already holds
+    outside this graph and less the allocator's slack for the largest
+    scratch buffer (allocator_slack of the unplanned graph)."""
+    return (int(ctx.budget * (1.0 - ctx.budget_margin)) - ctx.outside_bytes
+            - allocator_slack(base.facts))
+
+
 def fit_budget(base, ctx: Context, name: str = "") -> Fitted:
     """The least predicted extra time whose planned peak fits the budget
     less its margin, by search.greedy over every buffer's options.
@@ -218,11 +227,8 @@ def fit_budget(base, ctx: Context, name: str = "") -> Fitted:
       A Fitted.
     """
     budget, outside = ctx.budget, ctx.outside_bytes
-    # The plan must fit under the budget less the analysis' error margin,
-    # less what the device already holds outside this graph and less the
-    # allocator's slack for the largest scratch buffer.
     slack = allocator_slack(base.facts)
-    target = int(budget * (1.0 - ctx.budget_margin)) - outside - slack
+    target = budget_target(base, ctx)
     with ctx.timed("plan_auto"):
         options, selections, candidates = budget_search(base, ctx, budget)
         choice = search.greedy(

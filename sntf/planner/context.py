@@ -38,6 +38,8 @@ class Context:
       budget_behaviour: "best_effort" or "unchanged" when no plan fits.
       stage_seconds: where the wall time of each planning stage is added
         (the report's field), or None.
+      pin_order: chain a rewritten graph's memory-heavy ops in the planned
+        order (sntf.planner.order.plan_sequence).
     """
 
     evaluate: Evaluate
@@ -50,6 +52,7 @@ class Context:
     budget_margin: float = 0.10
     budget_behaviour: str = "best_effort"
     stage_seconds: Optional[dict] = None
+    pin_order: bool = True
 
     @contextlib.contextmanager
     def timed(self, stage: str):

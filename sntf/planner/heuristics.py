@@ -37,6 +37,15 @@ SWAP_WINDOW_TRANSFERS = 4.0
 # the same plan on a busy machine as on an idle one.
 PCIE4_X16_BYTES_PER_SECOND = 25e9
 
+# ---------------------------------------------------------------- order
+# Ops chained into the planned order (planner.order.plan_sequence) allocate
+# or free a buffer of at least this share of the planned peak: the events
+# that make a peak. A lower share chains more ops and leaves the executor
+# less to run side by side.
+SEQUENCE_PEAK_SHARE = 0.01
+# ...and never less than this many bytes.
+SEQUENCE_MIN_BYTES = 64 << 10
+
 # ---------------------------------------------------------------- budgets
 # The budget search (sntf.planner.search): small graphs evaluate quickly
 # (milliseconds per planned peak), so their local search may spend this

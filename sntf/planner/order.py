@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from sntf.graph import optable
 from sntf.graph.regions import control_flow_region
 from sntf.graph.training import variable_access
@@ -125,6 +127,105 @@ def plan_update_order(g) -> tuple:
                               and not optable.is_update_op(g.ops[c])
                               and g.devices[c] == g.devices[u]]
     return _new_orders(g, pairs)
+
+
+def plan_sequence(g, facts, min_bytes: int, merges: Optional[dict] = None) -> tuple:
+    """Control edges that make the ops that allocate or free much memory run
+    in the order the plan was made for, on each device.
+
+    The planned peak is the peak of one order, the executor's with one
+    inter-op thread (analysis.schedule). With TensorFlow's default pool the
+    executor runs ready ops side by side and in an order left to thread
+    timing: a branch's activations allocated early, two convolutions'
+    scratch at once, a swap-in run before the buffer it was to follow had
+    died. Two kinds of edges hold the large allocations and frees to the
+    planned order, as a Checkmate schedule is held by its edges:
+
+    - a chain, in schedule order, through every op that allocates a buffer
+      of at least `min_bytes` (an output or its scratch) or is the planned
+      last reader of one, so that a large allocation still waits for the
+      op that frees the buffer before it;
+    - from every other reader of such a buffer to its planned last reader,
+      so that the buffer dies where the plan says, whichever reader the
+      executor happens to run last.
+
+    Cheap ops still run where they fall. Values are unchanged, and so is
+    what TensorFlow's oneDNN pass merges (sntf.graph.fusions): no edge goes
+    into a Conv2D -> BiasAdd pair or between the two nodes of a pair, and an
+    edge into one node of another pair comes from an op scheduled before
+    both, so that the rewrite can give the other node the same edge.
+
+    Args:
+      g: the index of the graph as planned (generated nodes included).
+      facts: its analysis (schedule, buffers and their intervals).
+      min_bytes: the least bytes of a buffer whose allocation and free are
+        held to the plan.
+      merges: node -> the graph.fusions.MergePair it belongs to, where
+        oneDNN's pass runs (None: it does not).
+
+    Returns:
+      Order edges, none in a control-flow region (a control edge carries a
+      dead branch's deadness on), none across devices and none already a
+      direct input. Every edge points forward in the schedule, a
+      topological order of the graph, so none can close a cycle.
+    """
+    step = {node: k for k, node in enumerate(facts.schedule)}
+    region = control_flow_region(g)
+    large = _large_buffers(facts, min_bytes)
+    chained = set()
+    pairs = []
+    for buffer, readers in _readers(g, facts, large).items():
+        last = large[buffer]
+        chained.add(facts.schedule[facts.buffer_intervals[buffer][0]])
+        chained.add(last)
+        pairs += [(r, last) for r in sorted(readers, key=step.__getitem__)
+                  if step[r] < step[last]]
+    ends: dict = {}    # device -> the op chained last so far
+    for node in facts.schedule:
+        if node in chained:
+            before = ends.get(g.devices[node])
+            ends[g.devices[node]] = node
+            if before is not None:
+                pairs.append((before, node))
+    merges = merges or {}
+    orders = {}
+    for before, after in pairs:
+        if (before in region or after in region or g.devices[before] != g.devices[after]
+                or before in g.control_inputs[after]
+                or any(p == before for p, _ in g.data_inputs[after])
+                or not _keeps_merge(merges.get(after), before, step)):
+            continue
+        orders.setdefault((before, after),
+                          Order(before=g.names[before], after=g.names[after]))
+    return tuple(orders.values())
+
+
+def _keeps_merge(pair, before: int, step: dict) -> bool:
+    """Whether an edge from `before` into a node of `pair` (None: a node in
+    no merge pair) leaves the pair mergeable (see plan_sequence)."""
+    if pair is None:
+        return True
+    if pair.strict or before in (pair.first, pair.second):
+        return False
+    return step[before] < min(step[pair.first], step[pair.second])
+
+
+def _large_buffers(facts, min_bytes: int) -> dict:
+    """Buffer of at least min_bytes -> the node of its last planned use."""
+    last = len(facts.schedule) - 1
+    return {buffer: facts.schedule[min(stop, last)]
+            for buffer, (_, stop) in facts.buffer_intervals.items()
+            if facts.buffer_bytes.get(buffer, 0) >= min_bytes}
+
+
+def _readers(g, facts, buffers) -> dict:
+    """Buffer (of `buffers`) -> the nodes that read it through any tensor
+    living in it (an alias's readers included)."""
+    readers: dict = {buffer: set() for buffer in buffers}
+    for (node, port), buffer in facts.buffers.items():
+        if buffer in readers:
+            readers[buffer].update(c for c, _, p in g.consumers[node] if p == port)
+    return readers
 
 
 def _alias_readers(g, read: int) -> list:

@@ -26,10 +26,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from sntf.graph.fusions import merge_members
+from sntf.graph.index import GraphError
 from sntf.planner import budget as budget_planning
-from sntf.planner import modes
+from sntf.planner import heuristics, modes
 from sntf.planner.backward import backward_read_tensors, tensor_name
 from sntf.planner.context import Context
+from sntf.planner.order import plan_sequence
 from sntf.planner.plan import KEEP, Plan, acting, identity_plan, keep
 
 OFF_NOTE = "policy 'off': graph left as TensorFlow built it"
@@ -202,8 +205,12 @@ def plan(policy: str, base, ctx: Context, name: str = "") -> Outcome:
                                    "policy 'off'"))
     if isinstance(composition, FitBudget):
         if ctx.budget is not None:
-            return _fitted(base, ctx, name)
+            return _pinned(_fitted(base, ctx, name), base, ctx)
         composition = composition.fallback
+    return _pinned(_composed(policy, composition, base, ctx), base, ctx)
+
+
+def _composed(policy: str, composition, base, ctx: Context) -> Outcome:
     run = composition.run(base, ctx)
     modified = run.current.graph_def is not base.graph_def
     notes, headroom = list(run.notes), None
@@ -217,6 +224,56 @@ def plan(policy: str, base, ctx: Context, name: str = "") -> Outcome:
                   recomputes=run.recomputes, swaps=run.swaps, cache_budget=cache_budget)
     return Outcome(_with_keeps(result, base, run.kept, f"policy {policy!r}"),
                    run.current if modified else None, headroom)
+
+
+def _pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
+    """The outcome with the rewritten graph's large allocations and frees
+    held to the planned order (plan_sequence), where the analysis stands
+    behind it: the chained graph, analyzed, plans no higher than the
+    unchained one, give or take what one unchained op allocates, and a plan
+    that fits its budget still fits it."""
+    planned = outcome.planned
+    if not ctx.pin_order or planned is None:
+        return outcome
+    least = max(heuristics.SEQUENCE_MIN_BYTES,
+                int(heuristics.SEQUENCE_PEAK_SHARE * planned.peak))
+    merges = merge_members(planned.index) if ctx.onednn else None
+    with ctx.timed("plan_order"):
+        orders = plan_sequence(planned.index, planned.facts, least, merges)
+        if not orders:
+            return outcome
+        # The edges name the planned graph's nodes (clones and swap-ins
+        # included), so they are applied to it, not to the base graph.
+        try:
+            pinned = ctx.evaluate(Plan(policy=outcome.plan.policy, orders=orders),
+                                  planned)
+        except GraphError as e:
+            return _noted(outcome, f"order: {len(orders)} edge(s) not applied: {e}")
+        plan = dataclasses.replace(outcome.plan, orders=outcome.plan.orders + orders)
+    # The ops left unchained may fall elsewhere in the one-thread order
+    # once the chained ones wait for each other, moving the predicted peak
+    # by up to about what one of them allocates.
+    rise = least
+    if ctx.budget is not None and outcome.fields.get("budget_fits"):
+        rise = min(rise, max(0, budget_planning.budget_target(base, ctx) - planned.peak))
+    if pinned is None or pinned.peak > planned.peak + rise:
+        return _noted(outcome, (
+            f"order: {len(orders)} edge(s) not applied: the predicted peak would "
+            f"rise ({planned.peak} -> {pinned.peak if pinned else None} bytes)"))
+    note = (f"order: {len(orders)} edge(s) hold the ops that allocate or free "
+            f"{least} bytes or more to the planned order")
+    headroom = outcome.cache_headroom
+    if headroom is not None and plan.cache_budget is not None:
+        headroom = budget_planning.cache_headroom(pinned.facts, plan.cache_budget,
+                                                  ctx.outside_bytes)
+    return dataclasses.replace(
+        outcome, plan=dataclasses.replace(plan, notes=plan.notes + (note,)),
+        planned=pinned, cache_headroom=headroom)
+
+
+def _noted(outcome: Outcome, note: str) -> Outcome:
+    return dataclasses.replace(outcome, plan=dataclasses.replace(
+        outcome.plan, notes=outcome.plan.notes + (note,)))
 
 
 def _fitted(base, ctx: Context, name: str) -> Outcome:

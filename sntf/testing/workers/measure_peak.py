@@ -110,6 +110,9 @@ def _parser():
     parser.add_argument("--settings", default="lab", choices=tuple(SETTINGS),
                         help="lab: oneDNN off, one inter-op thread; user: oneDNN "
                         "on, TensorFlow's default inter-op pool")
+    parser.add_argument("--pin-order", default="on", choices=("on", "off"),
+                        help="sntf's pin_order option: chain the memory-heavy "
+                        "ops of a rewritten graph in the planned order")
     parser.add_argument("--eager", action="store_true",
                         help="compile(run_eagerly=True): no graph, so no sntf pass")
     parser.add_argument("--out", default=None)
@@ -189,6 +192,7 @@ def _run(args):
         import sntf
 
         options = {"recompute_mode": args.recompute_mode} if args.recompute_mode else {}
+        options["pin_order"] = args.pin_order == "on"
         budget = int(args.budget) if args.budget and args.budget.isdigit() else args.budget
         sntf.enable(policy=args.policy, budget=budget, batch_size=args.batch, **options)
     models = _model_source(args, sntf is not None)
@@ -316,7 +320,7 @@ def main(argv=None):
 def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
             timeout=900, repeats=1, executor="default", input="dataset",
             recompute_mode=None, remat=None, budget=None, eager=False,
-            settings="lab", limit_mib=None):
+            settings="lab", limit_mib=None, pin_order=True):
     """Runs this worker in a fresh Python process (sys.executable) and returns
     its result dict, with wall_seconds added.
 
@@ -342,7 +346,8 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
         runs = [measure(family, batch, steps, policy, depth, seed, timeout,
                         executor=executor, input=input,
                         recompute_mode=recompute_mode, remat=remat, budget=budget,
-                        eager=eager, settings=settings, limit_mib=limit_mib)
+                        eager=eager, settings=settings, limit_mib=limit_mib,
+                        pin_order=pin_order)
                 for _ in range(repeats)]
         peaks = [r["measured_peak_bytes"] for r in runs]
         chosen = dict(sorted(runs, key=lambda r: r["measured_peak_bytes"])[len(runs) // 2])
@@ -358,7 +363,7 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
     command = [sys.executable, os.path.abspath(__file__), "--family", family,
                "--batch", str(batch), "--steps", str(steps), "--policy", policy,
                "--seed", str(seed), "--executor", executor, "--input", input,
-               "--settings", settings]
+               "--settings", settings, "--pin-order", "on" if pin_order else "off"]
     if depth is not None:
         command += ["--depth", str(depth)]
     if recompute_mode is not None:

@@ -92,6 +92,8 @@ def _arguments():
                              "from the input fit() feeds")
     parser.add_argument("--extra-samples", type=int, default=0,
                         help="samples beyond steps*batch: a last partial batch")
+    parser.add_argument("--pin-order", default="on", choices=("on", "off"),
+                        help="sntf's pin_order option")
     parser.add_argument("--out", required=True)
     return parser.parse_args()
 
@@ -99,7 +101,8 @@ def _arguments():
 def _enable(args) -> None:
     import sntf
 
-    options = {"identity_rewrite": args.identity_rewrite}
+    options = {"identity_rewrite": args.identity_rewrite,
+               "pin_order": args.pin_order == "on"}
     if args.recompute_mode:
         options["recompute_mode"] = args.recompute_mode
     if args.swap_min_bytes is not None:

@@ -1,0 +1,234 @@
+"""Order edges that hold a plan's large allocations and frees to the order
+it was planned for (sntf.planner.order.plan_sequence), whatever order the
+executor's thread pool picks among the ops that are ready."""
+
+import random
+
+import pytest
+
+from graphs import DT_FLOAT, GraphBuilder, analyzed, context, mlp_step
+from sntf import config, planner, rewrite
+from sntf.analysis import memory
+from sntf.graph import optable
+from sntf.planner import order
+
+WIDTHS = (256, 192, 320, 128, 256, 384, 160)
+FETCH = ["ret", "metric"]
+
+
+def _random_order(g, seed: int) -> tuple:
+    """A topological order that takes a ready op at random, as a thread
+    pool may: each is an order TensorFlow's default pool can run."""
+    rng = random.Random(seed)
+    n = len(g.names)
+    back = {i for i in range(n) if g.ops[i] in optable.NEXT_ITERATION_OPS}
+    pending = [sum(1 for p in [p for p, _ in g.data_inputs[i]] + list(g.control_inputs[i])
+                   if p not in back) for i in range(n)]
+    ready = [i for i in range(n) if pending[i] == 0]
+    taken = []
+    while ready:
+        node = ready.pop(rng.randrange(len(ready)))
+        taken.append(node)
+        for c in [c for c, _, _ in g.consumers[node]] + list(g.control_consumers[node]):
+            pending[c] -= 1
+            if pending[c] == 0:
+                ready.append(c)
+    assert len(taken) == n
+    return tuple(taken)
+
+
+def _peaks(monkeypatch, graph_def, props, seeds) -> list:
+    """The predicted peak of graph_def under each seed's random order."""
+    peaks = []
+    for seed in seeds:
+        monkeypatch.setattr(memory, "schedule",
+                            lambda g, consumers_last_first=False: _random_order(g, seed))
+        peaks.append(analyzed(graph_def, FETCH, props).facts.predicted_peak_bytes)
+    monkeypatch.undo()
+    return peaks
+
+
+def _with_metrics(graph_def, props):
+    """The step with a metric on every hidden layer: a Sum to a scalar, as a
+    Keras metric reads activations. Each Sum allocates almost nothing, so
+    no chain holds it, and it reads a large buffer: run late, it would keep
+    that buffer alive past the reader the plan frees it at."""
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    props = dict(props)
+    sums = []
+    for i in range(1, len(WIDTHS) - 1):
+        node = out.node.add(name=f"metric/sum{i}", op="Sum",
+                            input=[f"h{i}", "axes"])
+        node.attr["T"].type = DT_FLOAT
+        props[node.name] = [(DT_FLOAT, ())]
+        sums.append(node.name)
+    total = out.node.add(name="metric/total", op="AddN", input=sums)
+    total.attr["T"].type = DT_FLOAT
+    total.attr["N"].i = len(sums)
+    retval = out.node.add(name="metric", op="_Retval", input=["metric/total"])
+    retval.attr["T"].type = DT_FLOAT
+    retval.attr["index"].i = 1
+    props["metric/total"] = [(DT_FLOAT, ())]
+    props["metric"] = []
+    return out, props
+
+
+def _pinned(base, least: int):
+    orders = order.plan_sequence(base.index, base.facts, least)
+    graph_def = rewrite.apply_plan(base.graph_def,
+                                   planner.Plan(policy="swap", orders=orders)).graph_def
+    return orders, graph_def
+
+
+def test_pinned_edges_hold_the_peak_under_any_executor_order(monkeypatch):
+    """Under random executor orders the unpinned step peaks above its
+    one-thread peak (weight gradients and metrics left for last keep layer
+    outputs alive); pinned, every order peaks as planned."""
+    graph_def, props = _with_metrics(*mlp_step(widths=WIDTHS, batch=256))
+    base = analyzed(graph_def, FETCH, props)
+    planned = base.facts.predicted_peak_bytes
+    seeds = range(40)
+    free = _peaks(monkeypatch, graph_def, props, seeds)
+    assert max(free) > 1.05 * planned, (free, planned)
+
+    orders, pinned_def = _pinned(base, 64 << 10)
+    assert orders
+    pinned = analyzed(pinned_def, FETCH, props)
+    assert pinned.facts.predicted_peak_bytes == planned
+    held = _peaks(monkeypatch, pinned_def, props, seeds)
+    # Every large buffer is allocated, read and freed where the plan says,
+    # so the order of the rest can move the peak by their scalars only.
+    assert max(held) <= planned + 4096, (held, planned)
+
+
+def test_every_reader_of_a_large_buffer_precedes_the_reader_that_frees_it():
+    """A metric's Sum reads a layer's output and allocates nothing: no chain
+    holds it, and a pool that ran it late would keep the layer's output
+    alive past the reader the plan frees it at. An edge makes it run first."""
+    graph_def, props = _with_metrics(*mlp_step(widths=WIDTHS, batch=256))
+    base = analyzed(graph_def, FETCH, props)
+    least = 64 << 10
+    _, pinned_def = _pinned(base, least)
+    pinned = analyzed(pinned_def, FETCH, props)
+    g, facts = pinned.index, pinned.facts
+    ancestors = {}
+    for node in g.topo:
+        mine = set()
+        for p in [p for p, _ in g.data_inputs[node]] + list(g.control_inputs[node]):
+            mine |= ancestors[p] | {p}
+        ancestors[node] = mine
+    checked = 0
+    for (node, port), buffer in facts.buffers.items():
+        if facts.buffer_bytes.get(buffer, 0) < least or buffer not in facts.buffer_intervals:
+            continue
+        last = facts.schedule[facts.buffer_intervals[buffer][1]]
+        for reader in {c for c, _, p in g.consumers[node] if p == port} - {last}:
+            assert reader in ancestors[last], (g.names[node], g.names[reader], g.names[last])
+            checked += 1
+    metric_reads = [n for n in g.names if n.startswith("metric/sum")]
+    assert checked >= len(metric_reads) > 0
+
+
+def test_pinned_edges_point_forward_and_stay_on_their_device():
+    graph_def, props = mlp_step(widths=WIDTHS, batch=256)
+    base = analyzed(graph_def, ["ret"], props)
+    g, facts = base.index, base.facts
+    step = {g.names[node]: k for k, node in enumerate(facts.schedule)}
+    orders = order.plan_sequence(g, facts, 64 << 10)
+    for edge in orders:
+        assert step[edge.before] < step[edge.after], edge
+    assert len({(e.before, e.after) for e in orders}) == len(orders)
+    # None repeats a direct input.
+    index_of = {name: i for i, name in enumerate(g.names)}
+    for edge in orders:
+        after, before = index_of[edge.after], index_of[edge.before]
+        assert before not in g.control_inputs[after]
+        assert before not in [p for p, _ in g.data_inputs[after]]
+
+
+def test_small_buffers_are_not_pinned():
+    graph_def, props = mlp_step(widths=WIDTHS, batch=256)
+    base = analyzed(graph_def, ["ret"], props)
+    largest = max(base.facts.buffer_bytes.values())
+    assert order.plan_sequence(base.index, base.facts, largest + 1) == ()
+    assert order.plan_sequence(base.index, base.facts, largest)
+
+
+def test_nothing_in_a_control_flow_region_is_pinned():
+    """A control edge from a node downstream of a Switch would pass a dead
+    branch's deadness on to the op that waits for it."""
+    b = GraphBuilder()
+    (b.arg("x").arg("p")
+     .op("Switch", "sw", ["x", "p"], T=DT_FLOAT)
+     .op("Relu", "a", ["sw:1"], T=DT_FLOAT)
+     .op("Relu", "b", ["a"], T=DT_FLOAT)
+     .op("Relu", "c", ["x"], T=DT_FLOAT)
+     .op("Merge", "m", ["sw", "b"], T=DT_FLOAT, N=2)
+     .op("AddV2", "out", ["m", "c"], T=DT_FLOAT)
+     .retval("ret", "out"))
+    shape = (512, 512)
+    props = {n: [(DT_FLOAT, shape)] for n in ("x", "a", "b", "c", "out")}
+    props.update({"p": [(10, ())], "sw": [(DT_FLOAT, shape)] * 2,
+                  "m": [(DT_FLOAT, shape), (3, ())], "ret": []})
+    base = analyzed(b.build(), ["ret"], props)
+    g = base.index
+    region = {g.names[i] for i in order.control_flow_region(g)}
+    assert {"sw", "a", "b", "m", "out"} <= region
+    orders = order.plan_sequence(g, base.facts, 1)
+    assert all(e.before not in region and e.after not in region for e in orders)
+
+
+def test_a_rewritten_step_is_pinned_and_the_option_turns_it_off():
+    graph_def, props = mlp_step(widths=WIDTHS, batch=256)
+    base = analyzed(graph_def, ["ret"], props)
+    pinned = planner.plan("swap+recompute", base, context())
+    assert pinned.planned is not None
+    notes = [n for n in pinned.plan.notes if n.startswith("order:")]
+    assert len(notes) == 1 and "hold the ops" in notes[0], pinned.plan.notes
+    free = planner.plan("swap+recompute", base, context(pin_order=False))
+    assert not [n for n in free.plan.notes if n.startswith("order:")]
+    assert len(pinned.plan.orders) > len(free.plan.orders)
+    assert pinned.planned.peak <= free.planned.peak + 64 << 10
+
+
+@pytest.mark.parametrize("value", [0, 1, "yes", None])
+def test_pin_order_is_a_bool(value):
+    with pytest.raises(ValueError, match="pin_order must be True or False"):
+        config.parse_options({"pin_order": value})
+
+
+def test_pinned_edges_leave_merge_pairs_mergeable():
+    from test_fusions import _controls, _merge_step
+    from sntf.graph.fusions import merge_members
+
+    graph_def = _merge_step()
+    shape = (64, 32, 32, 16)
+    props = {n: [(DT_FLOAT, shape)] for n in
+             ("x", "g", "other", "pad", "fconv", "conv", "biased", "dfilter", "sum")}
+    props.update({"f": [(DT_FLOAT, (3, 3, 16, 16))], "bias": [(DT_FLOAT, (16,))],
+                  "paddings": [(3, (4, 2))], "fshape": [(3, (4,))],
+                  "dbias": [(DT_FLOAT, (16,))], "r1": [], "r2": [], "r3": []})
+    base = analyzed(graph_def, ["r1", "r2", "r3"], props)
+    g = base.index
+    merges = merge_members(g)
+    free = order.plan_sequence(g, base.facts, 1)
+    held = order.plan_sequence(g, base.facts, 1, merges)
+    assert set(held) <= set(free)
+    step = {g.names[n]: k for k, n in enumerate(base.facts.schedule)}
+    for edge in held:
+        pair = merges.get(g.node(edge.after))
+        if pair is None:
+            continue
+        assert not pair.strict, edge
+        assert edge.before not in (g.names[pair.first], g.names[pair.second]), edge
+        assert step[edge.before] < min(step[g.names[pair.first]],
+                                       step[g.names[pair.second]]), edge
+    # Applied and repaired, the graph stays acyclic and every merged pair
+    # keeps equal control inputs.
+    pinned = rewrite.keep_merges(rewrite.apply_plan(
+        graph_def, planner.Plan(policy="swap", orders=held)).graph_def, g)
+    rewrite.validate(pinned, g)
+    for first, second in (("pad", "fconv"), ("dfilter", "dbias")):
+        assert _controls(pinned, first) == _controls(pinned, second)
+    assert _controls(pinned, "biased") == _controls(pinned, "conv") == []
