@@ -5,10 +5,13 @@ cannot be reset, so anything that enables sntf or measures memory runs in a
 subprocess of its own.
 """
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -82,15 +85,51 @@ def fresh_python():
 def train_worker(fresh_python, out, *args, steps=3, batch=8, env=None):
     """Runs sntf/testing/workers/train_keras.py (args: --family F or --model M, and
     flags) in a fresh process, with `env` on top of the suite's; returns (its
-    RESULT dict, {weight: array})."""
+    RESULT dict, {weight: array}).
+
+    A run without sntf (no --sntf flag, no env) is a baseline several tests
+    share: the first to need it trains it, the others read its result from
+    the suite's baseline folder. Baselines repeat bit for bit across
+    processes (docs/tensorflow.md), so reading one is as good as training
+    it again, and the suite saves about twenty fresh processes."""
     import numpy as np
 
-    run = fresh_python(args=[os.path.join(WORKERS, "train_keras.py"), *args,
-                             "--batch", str(batch), "--steps", str(steps),
-                             "--out", str(out)], env=env)
-    result = run.result()
+    command = [os.path.join(WORKERS, "train_keras.py"), *args, "--batch", str(batch),
+               "--steps", str(steps)]
+    cached = _baseline_path(command) if env is None and "--sntf" not in args else None
+    if cached is not None and os.path.exists(cached + ".npz"):
+        with open(cached + ".json") as f:
+            result = json.load(f)
+        shutil.copyfile(cached + ".npz", str(out))
+    else:
+        result = fresh_python(args=command + ["--out", str(out)], env=env).result()
+        if cached is not None:
+            _store_baseline(cached, result, str(out))
     with np.load(out) as data:
         return result, {k: data[k].copy() for k in data.files}
+
+
+def _baseline_path(command: list):
+    """Where this test run keeps a baseline's result, or None outside a
+    pytest-xdist run (the folder is per run: PYTEST_XDIST_TESTRUNUID)."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        return None
+    folder = os.path.join(tempfile.gettempdir(), f"sntf-baselines-{run}")
+    os.makedirs(folder, exist_ok=True)
+    settings = sorted((k, v) for k, v in _env().items() if k.startswith(("TF_", "SNTF_")))
+    key = hashlib.sha256(json.dumps([command[1:], settings]).encode()).hexdigest()[:24]
+    return os.path.join(folder, key)
+
+
+def _store_baseline(path: str, result: dict, npz: str) -> None:
+    """Writes a baseline's files, the weights last and by rename, so that a
+    reader that sees the weights sees complete files."""
+    with open(path + ".json.tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".json.tmp", path + ".json")
+    shutil.copyfile(npz, path + ".npz.tmp")
+    os.replace(path + ".npz.tmp", path + ".npz")
 
 
 def train_family(fresh_python, out, family, *flags, steps=3, batch=8, env=None):
