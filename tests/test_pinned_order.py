@@ -232,3 +232,20 @@ def test_pinned_edges_leave_merge_pairs_mergeable():
     for first, second in (("pad", "fconv"), ("dfilter", "dbias")):
         assert _controls(pinned, first) == _controls(pinned, second)
     assert _controls(pinned, "biased") == _controls(pinned, "conv") == []
+
+
+def test_nothing_waits_for_a_swap_in_but_its_readers():
+    """A swap-in's copy overlaps the compute after it: the chain holds its
+    start to the plan, but no chained op waits for it to end."""
+    from sntf.graph import names
+
+    graph_def, props = mlp_step(widths=WIDTHS, batch=256)
+    base = analyzed(graph_def, ["ret"], props)
+    swapped = planner.plan("swap", base, context(pin_order=False, swap_min_bytes=4096))
+    planned = swapped.planned
+    assert planned is not None and swapped.plan.swaps
+    g = planned.index
+    orders = order.plan_sequence(g, planned.facts, 64 << 10)
+    swap_ins = {n for n, op in zip(g.names, g.ops) if op == names.SWAP_IN_OP}
+    assert swap_ins and any(e.after in swap_ins for e in orders)
+    assert not any(e.before in swap_ins for e in orders)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sntf.graph import optable
+from sntf.graph import names, optable
 from sntf.graph.regions import control_flow_region
 from sntf.graph.training import variable_access
 from sntf.planner.plan import Order
@@ -144,7 +144,8 @@ def plan_sequence(g, facts, min_bytes: int, merges: Optional[dict] = None) -> tu
     - a chain, in schedule order, through every op that allocates a buffer
       of at least `min_bytes` (an output or its scratch) or is the planned
       last reader of one, so that a large allocation still waits for the
-      op that frees the buffer before it;
+      op that frees the buffer before it; a swap's copy joins the chain but
+      the chain does not wait for it, so that it still overlaps compute;
     - from every other reader of such a buffer to its planned last reader,
       so that the buffer dies where the plan says, whichever reader the
       executor happens to run last.
@@ -184,9 +185,13 @@ def plan_sequence(g, facts, min_bytes: int, merges: Optional[dict] = None) -> tu
     for node in facts.schedule:
         if node in chained:
             before = ends.get(g.devices[node])
-            ends[g.devices[node]] = node
             if before is not None:
                 pairs.append((before, node))
+            # A copy to or from the host pool starts no earlier than
+            # planned, but nothing waits for it to end but its readers:
+            # the copy overlaps the compute after it, as planned.
+            if g.ops[node] not in _TRANSFER_OPS:
+                ends[g.devices[node]] = node
     merges = merges or {}
     orders = {}
     for before, after in pairs:
@@ -198,6 +203,10 @@ def plan_sequence(g, facts, min_bytes: int, merges: Optional[dict] = None) -> tu
         orders.setdefault((before, after),
                           Order(before=g.names[before], after=g.names[after]))
     return tuple(orders.values())
+
+
+_TRANSFER_OPS = frozenset({names.SWAP_OUT_OP, names.SWAP_IN_OP, names.CACHE_OUT_OP,
+                           names.CACHE_IN_OP})
 
 
 def _keeps_merge(pair, before: int, step: dict) -> bool:
