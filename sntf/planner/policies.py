@@ -19,6 +19,10 @@ The user's policies are compositions (POLICIES):
     "swap"            Then(swap)
     "swap+recompute"  LowerOf(Then(recompute, swap), Then(swap))
     "auto"            FitBudget(recompute, swap, fallback="swap+recompute")
+
+Whatever a composition rewrote is then held to its planned order by order
+edges (order.plan_sequence; option pin_order), where the analysis of the
+chained graph stands behind them.
 """
 
 from __future__ import annotations
