@@ -77,6 +77,22 @@ def run_python(code=None, args=None, env=None, timeout=600, cwd=None):
     return Completed(proc)
 
 
+def pytest_configure(config):
+    """Names the run before pytest-xdist starts its workers, so that the
+    baselines they share can be removed when it ends."""
+    if not hasattr(config, "workerinput") and hasattr(config.option, "testrunuid"):
+        import uuid
+
+        config.option.testrunuid = config.option.testrunuid or uuid.uuid4().hex
+
+
+def pytest_unconfigure(config):
+    run = getattr(config.option, "testrunuid", None)
+    if run and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.path.join(tempfile.gettempdir(), f"sntf-baselines-{run}"),
+                      ignore_errors=True)
+
+
 @pytest.fixture
 def fresh_python():
     return run_python
@@ -123,13 +139,19 @@ def _baseline_path(command: list):
 
 
 def _store_baseline(path: str, result: dict, npz: str) -> None:
-    """Writes a baseline's files, the weights last and by rename, so that a
-    reader that sees the weights sees complete files."""
-    with open(path + ".json.tmp", "w") as f:
+    """Writes a baseline's files, each to a temporary file of this process's
+    own and then by rename, the weights last: a reader that sees the
+    weights sees complete files, and two workers that trained the same
+    baseline at once each write whole files."""
+    folder = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=folder)
+    with os.fdopen(fd, "w") as f:
         json.dump(result, f)
-    os.replace(path + ".json.tmp", path + ".json")
-    shutil.copyfile(npz, path + ".npz.tmp")
-    os.replace(path + ".npz.tmp", path + ".npz")
+    os.replace(tmp, path + ".json")
+    fd, tmp = tempfile.mkstemp(dir=folder)
+    os.close(fd)
+    shutil.copyfile(npz, tmp)
+    os.replace(tmp, path + ".npz")
 
 
 def train_family(fresh_python, out, family, *flags, steps=3, batch=8, env=None):

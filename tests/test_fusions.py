@@ -78,6 +78,25 @@ def test_a_merged_pair_that_cannot_stay_merged_is_an_error():
         rewrite.keep_merges(_with_control(original, "dbias", "dfilter"), before)
 
 
+def test_a_pad_that_feeds_another_reader_is_no_pair():
+    """TensorFlow merges a Pad into its convolution only where the Pad
+    feeds nothing else: a recompute clone of the convolution that reads the
+    same Pad makes the pair go away, and nothing may be copied onto the
+    forward Pad (it would wait for the backward pass: a cycle)."""
+    from sntf.graph import build_index
+    from sntf.graph.fusions import merge_pairs
+
+    b = GraphBuilder()
+    (b.arg("x").arg("f").arg("paddings")
+     .op("Pad", "pad", ["x", "paddings"], T=DT_FLOAT)
+     .op("Conv2D", "conv", ["pad", "f"], T=DT_FLOAT)
+     .op("Conv2D", "sntf/recompute/0/conv", ["pad", "f", "^x"], T=DT_FLOAT)
+     .op("AddN", "sum", ["conv", "sntf/recompute/0/conv"], T=DT_FLOAT, N=2)
+     .retval("r", "sum"))
+    g = build_index(b.build(), ["r"])
+    assert merge_pairs(g) == ()
+
+
 def test_a_pair_the_original_did_not_merge_is_left_as_it_is():
     from sntf.graph import build_index
 

@@ -46,9 +46,9 @@ class MergePair:
 def merge_pairs(g) -> tuple:
     """Every pair of g's nodes TensorFlow's oneDNN pass would consider merging.
 
-    Attributes, data types and padding, which the pass also checks, are not:
-    a pair it would not merge for those reasons only gets control edges it
-    did not need.
+    Attributes, data types and padding, which the pass also checks, are not
+    checked here: a pair it would not merge for those reasons only gets
+    control edges it did not need.
 
     Args:
       g: a GraphIndex.
@@ -67,7 +67,9 @@ def merge_pairs(g) -> tuple:
                 pairs.append(MergePair(producer, node, strict=True))
         elif op in optable.PAD_MERGED_CONVOLUTIONS and inputs:
             producer, port = inputs[0]
-            if port == 0 and g.ops[producer] in optable.PAD_OPS:
+            # Merged only where the Pad feeds nothing else.
+            if (port == 0 and g.ops[producer] in optable.PAD_OPS
+                    and all(c == node for c, _, p in g.consumers[producer] if p == 0)):
                 pairs.append(MergePair(producer, node, strict=False))
         elif op == optable.BIAS_ADD_GRAD_OP and inputs:
             gradient = inputs[0]
@@ -75,6 +77,8 @@ def merge_pairs(g) -> tuple:
                       for c, slot, port in g.consumers[gradient[0]]
                       if port == gradient[1] and slot == 2
                       and g.ops[c] == optable.CONV_BACKPROP_FILTER_OP]
+    # The pass merges only nodes placed on one device.
+    pairs = [p for p in pairs if g.devices[p.first] == g.devices[p.second]]
     # A node of a Conv2D -> BiasAdd pair may gain no control input, so a
     # pair it also belongs to cannot be kept merged by giving it one.
     strict = {n for p in pairs if p.strict for n in (p.first, p.second)}

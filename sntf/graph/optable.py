@@ -233,6 +233,21 @@ WORKSPACE_PAIRS = {("MaxPool", "MaxPoolGrad"): 1, ("MaxPool3D", "MaxPool3DGrad")
 CONV_BACKPROP_INPUT_OP = "Conv2DBackpropInput"
 CONV_BACKPROP_FILTER_OP = "Conv2DBackpropFilter"
 
+# Ops an order edge never starts or ends at: a function's arguments and
+# results (Grappler turns the graph back into a function without them, so
+# an edge naming one would dangle), and the ops that move data between
+# devices or replicas (an edge on one replica's all-reduce alone can leave
+# the others waiting for it).
+FUNCTION_BOUNDARY_OPS = frozenset({"_Arg", "_Retval", "_DeviceArg", "_DeviceRetval"})
+COMMUNICATION_PREFIXES = ("Collective", "Nccl", "_Nccl", "_Send", "_Recv", "_HostSend",
+                          "_HostRecv")
+
+
+def never_ordered(op: str) -> bool:
+    """Whether an order edge may not start or end at an op of this type."""
+    return op in FUNCTION_BOUNDARY_OPS or op.startswith(COMMUNICATION_PREFIXES)
+
+
 # The pairs TensorFlow's oneDNN graph pass merges (sntf.graph.fusions).
 CONV2D_OP = "Conv2D"
 BIAS_ADD_OP = "BiasAdd"

@@ -166,8 +166,9 @@ def plan_sequence(g, facts, min_bytes: int, merges: Optional[dict] = None) -> tu
 
     Returns:
       Order edges, none in a control-flow region (a control edge carries a
-      dead branch's deadness on), none across devices and none already a
-      direct input. Every edge points forward in the schedule, a
+      dead branch's deadness on), none across devices, none at a function's
+      arguments or results or at an op that moves data between devices or
+      replicas (optable.never_ordered), and none already a direct input. Every edge points forward in the schedule, a
       topological order of the graph, so none can close a cycle.
     """
     step = {node: k for k, node in enumerate(facts.schedule)}
@@ -183,7 +184,7 @@ def plan_sequence(g, facts, min_bytes: int, merges: Optional[dict] = None) -> tu
                   if step[r] < step[last]]
     ends: dict = {}    # device -> the op chained last so far
     for node in facts.schedule:
-        if node in chained:
+        if node in chained and not optable.never_ordered(g.ops[node]):
             before = ends.get(g.devices[node])
             if before is not None:
                 pairs.append((before, node))
@@ -196,6 +197,8 @@ def plan_sequence(g, facts, min_bytes: int, merges: Optional[dict] = None) -> tu
     orders = {}
     for before, after in pairs:
         if (before in region or after in region or g.devices[before] != g.devices[after]
+                or optable.never_ordered(g.ops[before])
+                or optable.never_ordered(g.ops[after])
                 or before in g.control_inputs[after]
                 or any(p == before for p, _ in g.data_inputs[after])
                 or not _keeps_merge(merges.get(after), before, step)):
@@ -220,11 +223,13 @@ def _keeps_merge(pair, before: int, step: dict) -> bool:
 
 
 def _large_buffers(facts, min_bytes: int) -> dict:
-    """Buffer of at least min_bytes -> the node of its last planned use."""
+    """Buffer of at least min_bytes that dies within the step -> the node of
+    its last planned use. A buffer that lives to the step's end (an output
+    of the step) has no last reader to hold to."""
     last = len(facts.schedule) - 1
-    return {buffer: facts.schedule[min(stop, last)]
+    return {buffer: facts.schedule[stop]
             for buffer, (_, stop) in facts.buffer_intervals.items()
-            if facts.buffer_bytes.get(buffer, 0) >= min_bytes}
+            if facts.buffer_bytes.get(buffer, 0) >= min_bytes and stop < last}
 
 
 def _readers(g, facts, buffers) -> dict:

@@ -31,7 +31,6 @@ import dataclasses
 from typing import Optional
 
 from sntf.graph.fusions import merge_members
-from sntf.graph.index import GraphError
 from sntf.planner import budget as budget_planning
 from sntf.planner import heuristics, modes
 from sntf.planner.backward import backward_read_tensors, tensor_name
@@ -241,18 +240,20 @@ def _pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
         return outcome
     least = max(heuristics.SEQUENCE_MIN_BYTES,
                 int(heuristics.SEQUENCE_PEAK_SHARE * planned.peak))
-    merges = merge_members(planned.index) if ctx.onednn else None
     with ctx.timed("plan_order"):
-        orders = plan_sequence(planned.index, planned.facts, least, merges)
-        if not orders:
-            return outcome
-        # The edges name the planned graph's nodes (clones and swap-ins
-        # included), so they are applied to it, not to the base graph.
+        # The edges are optional: whatever goes wrong with them leaves the
+        # plan as it was, with the reason in its notes.
         try:
+            merges = merge_members(planned.index) if ctx.onednn else None
+            orders = plan_sequence(planned.index, planned.facts, least, merges)
+            if not orders:
+                return outcome
+            # The edges name the planned graph's nodes (clones and swap-ins
+            # included), so they are applied to it, not to the base graph.
             pinned = ctx.evaluate(Plan(policy=outcome.plan.policy, orders=orders),
                                   planned)
-        except GraphError as e:
-            return _noted(outcome, f"order: {len(orders)} edge(s) not applied: {e}")
+        except Exception as e:  # noqa: BLE001 - an optional stage never fails a plan
+            return _noted(outcome, f"order: edges not applied: {type(e).__name__}: {e}")
         plan = dataclasses.replace(outcome.plan, orders=outcome.plan.orders + orders)
     # The ops left unchained may fall elsewhere in the one-thread order
     # once the chained ones wait for each other, moving the predicted peak

@@ -10,8 +10,9 @@ from sntf.graph.index import GraphError, GraphIndex, build_index, parse_input
 
 def keep_merges(graph_def, before: GraphIndex):
     """Gives both nodes of every merge pair the same control inputs again
-    where the original graph had them equal (the oneDNN pass merged them
-    there): each gets the control inputs only the other has.
+    where the original graph had the pair with equal control inputs (the
+    oneDNN pass merged it there): each gets the control inputs only the
+    other has.
 
     A recompute clone counts as the node it was cloned from, so a cloned
     pair stays merged as the original pair is.
@@ -28,10 +29,14 @@ def keep_merges(graph_def, before: GraphIndex):
         Conv2D -> BiasAdd pair gained a control input (TensorFlow aborts on
         such a merge), or a node would have to wait for itself.
     """
+    merged = {(before.names[p.first], before.names[p.second]) for p in merge_pairs(before)
+              if set(before.control_inputs[p.first]) == set(before.control_inputs[p.second])}
+    if not merged:
+        return graph_def
     index = build_index(graph_def)
     pairs = [(index.names[p.first], index.names[p.second], p.strict)
              for p in merge_pairs(index)
-             if _merged_before(before, index.names[p.first], index.names[p.second])]
+             if _sources(index.names[p.first], index.names[p.second]) in merged]
     if not pairs:
         return graph_def
     out = type(graph_def)()
@@ -66,11 +71,6 @@ def _controls(node) -> frozenset:
     return frozenset(found)
 
 
-def _merged_before(before: GraphIndex, first: str, second: str) -> bool:
-    """Whether the original nodes behind first and second (a clone's source
-    for a clone) had the same control inputs."""
-    sources = [names.recompute_source(n) or n for n in (first, second)]
-    if not all(n in before.index for n in sources):
-        return False
-    a, b = (frozenset(before.control_inputs[before.node(n)]) for n in sources)
-    return a == b
+def _sources(first: str, second: str) -> tuple:
+    """The original nodes behind a pair: a clone's source for a clone."""
+    return tuple(names.recompute_source(n) or n for n in (first, second))
