@@ -365,8 +365,9 @@ def test_random_training_graphs_are_rewritten_correctly(fresh_python):
     assert counts.get("with cache ops", 0) >= 2, counts
     assert counts.get("rewritten, unknown batch", 0) >= 2, counts
     # The zoo's shapes among the rewritten: squeeze-and-excitation gates,
-    # layer normalization, weights read twice, GELU and swish.
-    for shape in ("gate", "layernorm", "tied", "gelu or swish"):
+    # layer normalization, weights read twice, GELU and swish, causal
+    # self-attention.
+    for shape in ("gate", "layernorm", "tied", "gelu or swish", "causal"):
         assert counts.get(f"rewritten, {shape}", 0) >= 2, (shape, counts)
 
 

@@ -6,8 +6,8 @@
     python -m sntf.testing.fuzz ...        (the same)
 
 Each case is a random training step: a DAG of dense or conv layers,
-element-wise ops, normalizations, dropout, pooling, concatenations, splits
-and tf.cond layers, with skip connections (a layer reads any earlier tensor), on an
+element-wise ops, normalizations, dropout, pooling, concatenations, splits,
+causal self-attention and tf.cond layers, with skip connections (a layer reads any earlier tensor), on an
 input whose batch dimension is fixed or unknown (input_signature with None),
 its layers on one or two logical CPU devices, trained for two SGD steps
 (the update applied directly or under a tf.cond on finite gradients) in
@@ -328,7 +328,7 @@ class Tally:
             c["rewritten, tf.cond layer"] += "cond" in ops
             # The shapes of the zoo's networks, each counted where it was
             # rewritten: a run that never rewrites one has not tested it.
-            for op in ("gate", "layernorm", "softmax", "tied", "deconv"):
+            for op in ("gate", "layernorm", "softmax", "tied", "deconv", "causal"):
                 c[f"rewritten, {op}"] += op in ops
             c["rewritten, gelu or swish"] += bool(acts & {"gelu", "swish"})
         c["with swaps"] += outcome["swapped"] > 0

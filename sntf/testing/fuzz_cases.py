@@ -14,9 +14,13 @@ POLICIES = ("recompute", "swap", "swap+recompute")
 ACTIVATIONS = ("relu", "tanh", "sigmoid", "elu", "softplus", "gelu", "swish")
 # gate: a multiply by a broadcast sigmoid of the tensor's mean (squeeze and
 # excitation); layernorm: per-example over the features; tied: a linear layer
-# that reads an earlier layer's weights again.
+# that reads an earlier layer's weights again (drawn twice as often: it
+# falls back to an activation where no earlier layer's weights fit);
+# causal: self-attention under a causal mask, as in a GPT block (the
+# features, or a conv map's positions, are the sequence).
 DENSE_OPS = ("linear", "linear", "act", "add", "mul", "concat", "split", "norm",
-             "norm", "dropout", "cond", "gate", "layernorm", "softmax", "tied")
+             "norm", "dropout", "cond", "gate", "layernorm", "softmax", "tied",
+             "tied", "causal")
 CONV_OPS = DENSE_OPS + ("pool", "deconv")
 MAX_WIDTH = 48            # concatenations stop growing the feature axis here
 DEVICES = ("/device:CPU:0", "/device:CPU:1")
@@ -135,7 +139,7 @@ def _draw_layer(draw, st, kind: str, layer: dict, dims: list, earlier: list) -> 
     elif op == "pool":
         layer["pool"] = draw(st.sampled_from(("max", "avg")))
         dims.append(dims[i])
-    elif op in ("norm", "gate", "layernorm", "softmax"):
+    elif op in ("norm", "gate", "layernorm", "softmax", "causal"):
         dims.append(dims[i])
 
 
@@ -252,6 +256,8 @@ def _layer(tf, spec: dict, n: int, layer: dict, p: dict, nodes: list) -> list:
         return [(a - mean) * tf.math.rsqrt(variance + 1e-3) * p["gamma"] + p["beta"]]
     if op == "softmax":
         return [tf.nn.softmax(a, axis=-1)]
+    if op == "causal":
+        return [_causal_attention(tf, a, conv)]
     if op == "act":
         return [_activation(tf, layer["act"], a)]
     if op == "cond":
@@ -276,6 +282,19 @@ def _layer(tf, spec: dict, n: int, layer: dict, p: dict, nodes: list) -> list:
         pool = tf.nn.max_pool2d if layer["pool"] == "max" else tf.nn.avg_pool2d
         return [pool(a, 3, 1, "SAME")]
     raise ValueError(f"unknown op {op!r}")
+
+
+def _causal_attention(tf, a, conv: bool):
+    """Self-attention of a sequence with itself under a causal mask: each
+    position attends to itself and the positions before it (the masked
+    scores are -1e9 before the softmax, as in Keras' attention layers)."""
+    shape = tf.shape(a)
+    seq = tf.reshape(a, [shape[0], -1, a.shape[-1]]) if conv else a[..., None]
+    scores = tf.matmul(seq, seq, transpose_b=True) / math.sqrt(seq.shape[-1])
+    length = tf.shape(scores)[-1]
+    mask = tf.linalg.band_part(tf.ones([length, length], tf.bool), -1, 0)
+    weights = tf.nn.softmax(tf.where(mask, scores, -1e9), axis=-1)
+    return tf.reshape(tf.matmul(weights, seq), shape)
 
 
 def _forward(spec: dict, tf, params: list):
