@@ -248,6 +248,17 @@ def device_in_use(device: str) -> Optional[int]:
         return None
 
 
+def inter_op_threads() -> Optional[int]:
+    """The inter-op threads the user set (tf.config.threading), or None for
+    TensorFlow's default pool (or when it cannot be read)."""
+    try:
+        import tensorflow as tf
+
+        return tf.config.threading.get_inter_op_parallelism_threads() or None
+    except Exception:  # noqa: BLE001 - a setting read for a heuristic only
+        return None
+
+
 def current():
     """The Environment the pass runs in, in this process now."""
     from sntf.passes import Environment
@@ -259,7 +270,8 @@ def current():
                        device_memory=device_memory_bytes, in_use=device_in_use,
                        allocator_limit=allocator_limit,
                        allocator_grows=allocator_grows,
-                       xla_auto_jit=xla.auto_clustering_on())
+                       xla_auto_jit=xla.auto_clustering_on(),
+                       inter_op_threads=inter_op_threads())
 
 
 def apply_settings(settings: dict) -> None:
