@@ -259,8 +259,8 @@ def _context(state: config.State, env: Environment, budget: Optional[int], index
         budget_behaviour=state.options.budget_behaviour,
         stage_seconds=report["stage_seconds"],
         # One inter-op thread runs the step in one order already; holding
-        # the analysis' emulation of it to the letter measured higher (the
-        # main example: 71.7 MiB against 67.9).
+        # the analysis' emulation of it to the letter measured higher
+        # (CHANGELOG, "Rewritten graphs hold their planned order").
         pin_order=state.options.pin_order and env.inter_op_threads != 1)
 
 
