@@ -11,7 +11,7 @@ from typing import Optional
 
 from sntf.analysis import Analyzed, analyze_graph
 from sntf.rewrite.apply import RewriteResult, apply_plan, set_cache_limits
-from sntf.rewrite.fusions import keep_merges
+from sntf.rewrite.fusions import keep_merges, merged_pairs
 from sntf.rewrite.validate import validate
 
 __all__ = ["RewriteResult", "apply_plan", "evaluator", "keep_merges", "set_cache_limits",
@@ -32,13 +32,19 @@ def evaluator(threads: Optional[int], onednn: bool = False):
       one that would change what oneDNN merges (keep_merges), raises
       GraphError.
     """
+    merged: dict = {}    # the last base graph's index and its merged pairs
+
     def evaluate(plan, base: Analyzed) -> Optional[Analyzed]:
         result = apply_plan(base.graph_def, plan)
         if not result.modified:
             return None
         graph_def = result.graph_def
         if onednn:
-            graph_def = keep_merges(graph_def, base.index)
+            # The same base graph is evaluated with many plans (the budget
+            # search): its merged pairs are found once.
+            if merged.get("index") is not base.index:
+                merged.update(index=base.index, pairs=merged_pairs(base.index))
+            graph_def = keep_merges(graph_def, base.index, merged["pairs"])
         index = validate(graph_def, base.index)
         return analyze_graph(graph_def, index, base.props, base.facts.batch,
                              threads, onednn)

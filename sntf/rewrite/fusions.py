@@ -3,12 +3,23 @@ merged in the rewritten one (see sntf.graph.fusions)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from sntf.graph import names
 from sntf.graph.fusions import merge_pairs
 from sntf.graph.index import GraphError, GraphIndex, build_index, parse_input
 
 
-def keep_merges(graph_def, before: GraphIndex):
+def merged_pairs(before: GraphIndex) -> frozenset:
+    """(first, second) names of the pairs the oneDNN pass merges in a graph:
+    those whose nodes have equal control inputs."""
+    return frozenset((before.names[p.first], before.names[p.second])
+                     for p in merge_pairs(before)
+                     if set(before.control_inputs[p.first])
+                     == set(before.control_inputs[p.second]))
+
+
+def keep_merges(graph_def, before: GraphIndex, merged: Optional[frozenset] = None):
     """Gives both nodes of every merge pair the same control inputs again
     where the original graph had the pair with equal control inputs (the
     oneDNN pass merged it there): each gets the control inputs only the
@@ -20,6 +31,7 @@ def keep_merges(graph_def, before: GraphIndex):
     Args:
       graph_def: the rewritten GraphDef (left untouched).
       before: the index of the graph it was rewritten from.
+      merged: merged_pairs(before), where the caller has it already.
 
     Returns:
       graph_def itself when nothing needed changing, else a new GraphDef.
@@ -29,8 +41,8 @@ def keep_merges(graph_def, before: GraphIndex):
         Conv2D -> BiasAdd pair gained a control input (TensorFlow aborts on
         such a merge), or a node would have to wait for itself.
     """
-    merged = {(before.names[p.first], before.names[p.second]) for p in merge_pairs(before)
-              if set(before.control_inputs[p.first]) == set(before.control_inputs[p.second])}
+    if merged is None:
+        merged = merged_pairs(before)
     if not merged:
         return graph_def
     index = build_index(graph_def)
