@@ -741,6 +741,93 @@ def mlp_step(widths=(256, 192, 320, 128, 256), batch=512):
     return graph_def, props
 
 
+LOOP_FRAME = "while/while_context"
+
+
+def in_loop(graph_def, props: dict):
+    """A step wrapped as Keras' `steps_per_execution` lowers it: inside a
+    while loop's frame, guarded by a conditional in the body.
+
+    Every `_Arg` stays at the top level and enters the frame through an
+    Enter (constant) and a Switch on the body's predicate "while/has"; the
+    step reads the Switch's true output. A Const of the step waits on the
+    branch's pivot (TensorFlow's lowering does the same, so that it lives in
+    the frame). The step's `_Retval`s are dropped: its first one's value
+    leaves the branch through a Merge that the loop's NextIteration waits on,
+    and the loop's counter leaves through an Exit to "ret".
+
+    Args:
+      graph_def: a step built with GraphBuilder (not modified).
+      props: its output properties (name -> [(dtype, shape)]).
+
+    Returns:
+      (graph_def, props) of the wrapped step.
+    """
+    frame = dict(frame_name=LOOP_FRAME, parallel_iterations=10)
+    scalar = [(DT_INT32, ())]
+    b = GraphBuilder()
+    (b.const("i0", 0, DT_INT32).const("n", 4, DT_INT32)
+     .op("Enter", "while/i_enter", ["i0"], T=DT_INT32, is_constant=False, **frame)
+     .op("Enter", "while/n_enter", ["n"], T=DT_INT32, is_constant=True, **frame)
+     .op("Merge", "while/i", ["while/i_enter", "while/i_next"], T=DT_INT32, N=2)
+     .op("Less", "while/less", ["while/i", "while/n_enter"], T=DT_INT32)
+     .op("LoopCond", "while/cond", ["while/less"])
+     .op("Switch", "while/i_switch", ["while/i", "while/cond"], T=DT_INT32)
+     .op("Identity", "while/pivot", ["while/i_switch:1"], T=DT_INT32)
+     .const("while/one", 1, DT_INT32, inputs=["^while/pivot"])
+     .op("AddV2", "while/i_add", ["while/pivot", "while/one"], T=DT_INT32)
+     .op("Less", "while/has", ["while/pivot", "while/n_enter"], T=DT_INT32)
+     .op("Switch", "step/switch", ["while/has", "while/has"], T=DT_BOOL)
+     .op("Identity", "step/pivot", ["step/switch:1"], T=DT_BOOL)
+     .op("Identity", "step/else_pivot", ["step/switch:0"], T=DT_BOOL))
+    out_props = {name: scalar for name in (
+        "i0", "n", "while/i_enter", "while/n_enter", "while/i", "while/less",
+        "while/pivot", "while/one", "while/i_add", "while/has", "while/i_next",
+        "while/exit")}
+    out_props.update({"while/cond": [(DT_BOOL, ())], "while/i_switch": scalar * 2,
+                      "step/switch": [(DT_BOOL, ())] * 2, "ret": [],
+                      "step/pivot": [(DT_BOOL, ())], "step/else_pivot": [(DT_BOOL, ())]})
+    renamed = {}
+    for node in graph_def.node:
+        if node.op == "_Arg":
+            dtype = node.attr["T"].type
+            b.op("_Arg", node.name, (), T=dtype, index=node.attr["index"].i)
+            b.op("Enter", f"while/enter/{node.name}", [node.name], T=dtype,
+                 is_constant=True, **frame)
+            b.op("Switch", f"step/in/{node.name}", [f"while/enter/{node.name}",
+                                                   "while/has"], T=dtype)
+            renamed[node.name] = f"step/in/{node.name}:1"
+            out_props[node.name] = out_props[f"while/enter/{node.name}"] = props[node.name]
+            out_props[f"step/in/{node.name}"] = props[node.name] * 2
+    loss = None
+    for node in graph_def.node:
+        if node.op == "_Arg":
+            continue
+        if node.op == "_Retval":
+            loss = loss or node.input[0]
+            continue
+        copy = b._graph.node.add()
+        copy.CopyFrom(node)
+        del copy.input[:]
+        for text in node.input:
+            control = text.startswith("^")
+            name = text.lstrip("^")
+            if name in renamed:
+                text = ("^" + renamed[name].split(":")[0]) if control else renamed[name]
+            copy.input.append(text)
+        if not node.input:
+            copy.input.append("^step/pivot")
+        out_props[node.name] = props[node.name]
+    (b.const("step/else", 0.0, inputs=["^step/else_pivot"])
+     .op("Merge", "step/out", [loss, "step/else"], T=DT_FLOAT, N=2)
+     .op("NextIteration", "while/i_next", ["while/i_add", "^step/out"], T=DT_INT32)
+     .op("Exit", "while/exit", ["while/i_switch"], T=DT_INT32)
+     .retval("ret", "while/exit", DT_INT32))
+    out_props["step/else"] = [(DT_FLOAT, ())]
+    out_props["step/out"] = [props[loss.split(":")[0]][0], scalar[0]]
+    return b.build(), out_props
+
+
 def analyzed(graph_def, fetch, props: dict, batch=None):
     """A hand-built graph as the planner's stages take it (sntf.analysis.Analyzed)."""
     from sntf import analysis

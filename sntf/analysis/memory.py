@@ -262,8 +262,7 @@ class _Liveness:
         """tensor -> the step of its last consumer."""
         last_use = collections.defaultdict(int)
         for i in range(len(self.g.names)):
-            for p, port in self.g.data_inputs[i]:
-                t = (p, port)
+            for t in self.g.data_inputs[i]:
                 last_use[t] = max(last_use[t], self.step_of[i])
         return last_use
 
@@ -276,9 +275,8 @@ class _Liveness:
             if g.ops[f] != "_Retval":
                 fetched.update((f, port) for port in
                                range(len(self.properties.get(g.names[f], ()))))
-        for i in range(len(g.names)):
-            if g.ops[i] == "_Retval":
-                fetched.update(g.data_inputs[i])
+        fetched.update(t for i, op in enumerate(g.ops) if op == "_Retval"
+                       for t in g.data_inputs[i])
         return fetched
 
     def _allocate(self, t, s: int, persistent: bool = False, buffer=None) -> None:
@@ -299,6 +297,8 @@ class _Liveness:
             return
         if op in optable.ALIAS_OPS and inputs and inputs[0] in owner:
             owner[t] = owner[inputs[0]]
+        elif op in optable.ALIAS_OPS and op in optable.CONTROL_FLOW_OPS:
+            return      # a handle or an input carried into a frame or branch
         elif op in optable.ALIAS_OPS and inputs and self._reads_variable(inputs[0][0]):
             # A read of a variable is a view of the variable's buffer:
             # persistent, and counted once however often it is read.

@@ -48,6 +48,8 @@ class GraphIndex:
       topo: a topological order (NextIteration back edges ignored).
       fetch, preserve: indices of fetch and nodes-to-preserve that exist.
       has_cycles: whether a cycle remained besides NextIteration back edges.
+      sntf_nodes: indices of the nodes an earlier rewrite generated.
+      frames: per node, the frame an Enter op opens ("" for every other op).
     """
 
     names: tuple[str, ...]
@@ -63,6 +65,7 @@ class GraphIndex:
     preserve: frozenset
     has_cycles: bool
     sntf_nodes: tuple[int, ...]
+    frames: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         return len(self.names)
@@ -128,7 +131,14 @@ def build_index(graph_def, fetch: Iterable[str] = (),
         control_consumers=tuple(tuple(c) for c in control_consumers),
         topo=tuple(topo), fetch=existing(fetch), preserve=existing(preserve),
         has_cycles=has_cycles,
-        sntf_nodes=tuple(i for i, node in enumerate(nodes) if names.role_of(node)))
+        sntf_nodes=tuple(i for i, node in enumerate(nodes) if names.role_of(node)),
+        frames=tuple(_frame_name(node) for node in nodes))
+
+
+def _frame_name(node) -> str:
+    if node.op not in optable.ENTER_OPS:
+        return ""
+    return node.attr["frame_name"].s.decode("utf-8", "replace")
 
 
 def _topological_order(ops, data_inputs, control_inputs, consumers,

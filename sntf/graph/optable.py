@@ -75,7 +75,8 @@ def is_update_op(op: str) -> bool:
 # Ops that forward a resource handle unchanged: Identity left by function
 # inlining, and the Switch of a lowered tf.cond whose branch writes the
 # variable (Keras' loss-scale optimizer applies gradients under one).
-HANDLE_FORWARDING_OPS = frozenset({"Identity", "IdentityN", "Switch", "RefSwitch"})
+HANDLE_FORWARDING_OPS = frozenset({"Identity", "IdentityN", "Switch", "RefSwitch",
+                                   "Enter", "RefEnter"})
 # Single-value ops through which a variable's read stays "the variable"
 # (training detection: a weight consumer reads the weight through them).
 PASS_THROUGH_OPS = frozenset({"Identity", "Cast", "Reshape", "Transpose",
@@ -85,6 +86,11 @@ ALIAS_OPS = frozenset({
     "Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
     "PreventGradient", "Snapshot", "EnsureShape", "CheckNumerics", "_Retval",
     READ_VARIABLE_OP, "Bitcast",
+    # Control flow forwards the tensor itself into a frame or a branch and
+    # out again. A Merge forwards whichever input is live, which the model
+    # cannot tell: it counts a buffer of its own.
+    "Enter", "RefEnter", "Exit", "RefExit", "Switch", "RefSwitch",
+    "NextIteration", "RefNextIteration",
 })
 # Views a recompute chain never re-runs through: re-running them rebuilds
 # nothing, and their input is the tensor to start from.
@@ -182,7 +188,12 @@ INEXPENSIVE_OPS = frozenset({
 # ---------------------------------------------------------------- control flow
 # Loop back edges: the executor and every topological order ignore them.
 NEXT_ITERATION_OPS = frozenset({"NextIteration", "RefNextIteration"})
-# Ops of TF1-style control flow: frames the pass does not model.
+# Ops that open a loop frame, close one, and route a tensor by a predicate.
+ENTER_OPS = frozenset({"Enter", "RefEnter"})
+EXIT_OPS = frozenset({"Exit", "RefExit"})
+SWITCH_OPS = frozenset({"Switch", "RefSwitch"})
+MERGE_OPS = frozenset({"Merge", "RefMerge"})
+# Ops of TF1-style control flow.
 CONTROL_FLOW_OPS = frozenset({"Enter", "Exit", "Merge", "Switch", "NextIteration",
                               "LoopCond", "RefEnter", "RefExit", "RefMerge",
                               "RefSwitch", "RefNextIteration"})

@@ -67,12 +67,23 @@ def read_under_control_flow(g, tensor: tuple, region: frozenset) -> bool:
                                 if p == tensor[1])
 
 
-def control_flow_note(region: frozenset) -> tuple:
-    """The plan note that says how much control flow was left alone."""
-    if not region:
-        return ()
-    return (f"control flow present: {len(region)} op(s) in or after a "
-            "conditional left alone",)
+def control_flow_note(regions) -> tuple:
+    """The plan notes that say where the step lies and how much control flow
+    was left alone (regions: a graph.regions.StepRegions)."""
+    outside = len(regions.region)
+    if not regions.step:
+        return ((f"control flow present: {outside} op(s) in or after a "
+                 "conditional left alone",) if outside else ())
+    return (f"training step inside {_describe(regions.step)}: planned within it; "
+            f"{outside} op(s) around it or in or after a conditional in it left alone",)
+
+
+def _describe(step: tuple) -> str:
+    loops = sum(1 for kind, *_ in step if kind == "frame")
+    branches = len(step) - loops
+    parts = [f"{loops} loop(s)"] if loops else []
+    parts += [f"{branches} conditional branch(es)"] if branches else []
+    return " and ".join(parts)
 
 
 def backward_read_tensors(g, facts) -> list:

@@ -103,8 +103,9 @@ def auto_recompute(base, ctx: Context):
         if mixed_planned is not None and mixed_planned.peak < planned.peak:
             note += (f", {len(memory_tensors)} live at the planned peak made "
                      "memory-centric")
-            return dataclasses.replace(mixed, notes=(note,)), mixed_planned
-    return dataclasses.replace(speed, notes=(note,)), planned
+            return dataclasses.replace(mixed, notes=(note, *mixed.notes[1:])), mixed_planned
+    # The planner's other notes (control flow left alone) stay.
+    return dataclasses.replace(speed, notes=(note, *speed.notes[1:])), planned
 
 
 def lowest_recompute(base, ctx: Context, mode: str,

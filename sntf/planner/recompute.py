@@ -9,7 +9,7 @@ from typing import Callable, Optional, Union
 
 from sntf.graph import optable
 from sntf.graph.phases import BACKWARD, FORWARD
-from sntf.graph.regions import control_flow_region, loop_ops
+from sntf.graph.regions import step_regions
 from sntf.planner import heuristics
 from sntf.planner import backward
 from sntf.planner.backward import (backward_read_by_buffer, backward_read_tensors,
@@ -73,10 +73,11 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
     if mode not in heuristics.RECOMPUTE_MODES:
         raise ValueError(f"unknown recompute mode {mode!r}; modes: "
                          f"{heuristics.RECOMPUTE_MODES}")
-    if loop_ops(g):
+    regions = step_regions(g)
+    if regions.loops:
         return identity_plan("recompute", "control flow present (a loop): "
                              "not recomputed")
-    region = control_flow_region(g)
+    region = regions.region
     setting = _setting(g, facts, mode, protected, region, memory_tensors, order,
                        segment_checkpoints)
     candidates, kept = [], {}
@@ -88,7 +89,7 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
             candidates.append(answer)
     recipes, decisions, dropped = _whole_buffers(g, facts, candidates)
     kept.update(dropped)
-    notes = (f"recompute ({mode}): {len(recipes)} tensor(s)", *control_flow_note(region))
+    notes = (f"recompute ({mode}): {len(recipes)} tensor(s)", *control_flow_note(regions))
     keeps = tuple(keep(t, f"recompute: {why}") for t, why in kept.items())
     return Plan(policy="recompute", decisions=tuple(decisions) + keeps, notes=notes,
                 recomputes=tuple(recipes))

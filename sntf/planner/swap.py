@@ -10,7 +10,7 @@ from typing import Optional, Union
 
 from sntf.graph import optable
 from sntf.graph.phases import BACKWARD, FORWARD
-from sntf.graph.regions import control_flow_region, loop_ops
+from sntf.graph.regions import step_regions
 from sntf.planner import heuristics
 from sntf.planner import backward
 from sntf.planner.backward import (backward_read_by_buffer, backward_read_tensors,
@@ -79,9 +79,10 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
       and a KEEP decision with its reason for every other forward tensor the
       backward pass reads.
     """
-    if loop_ops(g):
+    regions = step_regions(g)
+    if regions.loops:
         return identity_plan("swap", "control flow present (a loop): nothing swapped")
-    region = control_flow_region(g)
+    region = regions.region
     if bandwidth <= 0:
         raise ValueError(f"bandwidth must be positive, got {bandwidth!r}")
     setting = _Setting(
@@ -100,7 +101,7 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
             recipes.append(answer[0])
             decisions.append(answer[1])
     notes = (f"swap: {len(recipes)} tensor(s) of at least {min_bytes} bytes",
-             *control_flow_note(region))
+             *control_flow_note(regions))
     return Plan(policy="swap", decisions=tuple(decisions) + tuple(keeps), notes=notes,
                 swaps=tuple(recipes))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sntf.graph.index import GraphError, GraphIndex, build_index
+from sntf.graph.regions import new_mixed_nodes
 
 
 def validate(graph_def, before: GraphIndex) -> GraphIndex:
@@ -17,8 +18,9 @@ def validate(graph_def, before: GraphIndex) -> GraphIndex:
       The rewritten graph's index.
 
     Raises:
-      GraphError: a cycle the original did not have, a lost fetch node, or
-        an input naming a missing node.
+      GraphError: a cycle the original did not have, a lost fetch node, a
+        node reading from two loop frames or from two branches that do not
+        nest where the original had none, or an input naming a missing node.
     """
     fetch = [before.names[i] for i in before.fetch]
     preserve = [before.names[i] for i in before.preserve]
@@ -28,4 +30,8 @@ def validate(graph_def, before: GraphIndex) -> GraphIndex:
     missing = set(fetch) - set(index.names)
     if missing:
         raise GraphError(f"the rewrite lost fetch nodes {sorted(missing)}")
+    mixed = new_mixed_nodes(before, index)
+    if mixed:
+        raise GraphError(f"the rewrite made {len(mixed)} node(s) read from different "
+                         f"loop frames or branches, first {mixed[0]!r}")
     return index

@@ -94,6 +94,10 @@ def _arguments():
                         help="samples beyond steps*batch: a last partial batch")
     parser.add_argument("--pin-order", default="on", choices=("on", "off"),
                         help="sntf's pin_order option")
+    parser.add_argument("--steps-per-execution", type=int, default=1,
+                        help="Keras' steps_per_execution: fit() runs this many "
+                             "steps in a while loop per call (one loss logged "
+                             "per call)")
     parser.add_argument("--out", required=True)
     return parser.parse_args()
 
@@ -171,6 +175,8 @@ def main():
         keras.mixed_precision.set_global_policy(args.mixed_precision)
     keras.utils.set_random_seed(1234)
     model, x, y = _model_and_data(args, keras, np)
+    # Read when fit() first builds its train function, after compile().
+    model.steps_per_execution = args.steps_per_execution
     losses, phases = _train(args, tf, keras, model, x, y)
     weights = {f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
     np.savez(args.out, **weights)
