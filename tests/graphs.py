@@ -744,9 +744,10 @@ def mlp_step(widths=(256, 192, 320, 128, 256), batch=512):
 LOOP_FRAME = "while/while_context"
 
 
-def in_loop(graph_def, props: dict):
+def in_loop(graph_def, props: dict, guarded: bool = True):
     """A step wrapped as Keras' `steps_per_execution` lowers it: inside a
-    while loop's frame, guarded by a conditional in the body.
+    while loop's frame, guarded by a conditional in the body (guarded=False:
+    the step is the loop's body, as a `tf.while_loop` around it lowers).
 
     Every `_Arg` stays at the top level and enters the frame through an
     Enter (constant) and a Switch on the body's predicate "while/has"; the
@@ -759,6 +760,7 @@ def in_loop(graph_def, props: dict):
     Args:
       graph_def: a step built with GraphBuilder (not modified).
       props: its output properties (name -> [(dtype, shape)]).
+      guarded: whether the body guards the step with a conditional.
 
     Returns:
       (graph_def, props) of the wrapped step.
@@ -795,7 +797,8 @@ def in_loop(graph_def, props: dict):
             b.op("Enter", f"while/enter/{node.name}", [node.name], T=dtype,
                  is_constant=True, **frame)
             b.op("Switch", f"step/in/{node.name}", [f"while/enter/{node.name}",
-                                                   "while/has"], T=dtype)
+                                                   "while/has" if guarded else "while/cond"],
+                 T=dtype)
             renamed[node.name] = f"step/in/{node.name}:1"
             out_props[node.name] = out_props[f"while/enter/{node.name}"] = props[node.name]
             out_props[f"step/in/{node.name}"] = props[node.name] * 2
@@ -816,8 +819,13 @@ def in_loop(graph_def, props: dict):
                 text = ("^" + renamed[name].split(":")[0]) if control else renamed[name]
             copy.input.append(text)
         if not node.input:
-            copy.input.append("^step/pivot")
+            copy.input.append("^step/pivot" if guarded else "^while/pivot")
         out_props[node.name] = props[node.name]
+    if not guarded:
+        return (b.op("NextIteration", "while/i_next", ["while/i_add", "^" + loss],
+                     T=DT_INT32)
+                .op("Exit", "while/exit", ["while/i_switch"], T=DT_INT32)
+                .retval("ret", "while/exit", DT_INT32).build(), out_props)
     (b.const("step/else", 0.0, inputs=["^step/else_pivot"])
      .op("Merge", "step/out", [loss, "step/else"], T=DT_FLOAT, N=2)
      .op("NextIteration", "while/i_next", ["while/i_add", "^step/out"], T=DT_INT32)

@@ -369,6 +369,8 @@ def test_random_training_graphs_are_rewritten_correctly(fresh_python):
     # self-attention.
     for shape in ("gate", "layernorm", "tied", "gelu or swish", "causal"):
         assert counts.get(f"rewritten, {shape}", 0) >= 2, (shape, counts)
+    # Steps inside a tf.while_loop (Keras' steps_per_execution).
+    assert counts.get("rewritten, step in a loop", 0) >= 2, counts
 
 
 # Two transposed convolutions around a convolution. Before the forward

@@ -42,6 +42,23 @@ def test_the_step_is_found_and_only_its_surroundings_are_left_alone():
     assert {"while/i", "while/exit", "step/out", "step/in/w1", "x", "ret"} <= left
 
 
+def test_a_step_that_is_the_loop_body_is_planned_and_its_loop_closed_alone():
+    """A tf.while_loop around the step: the body's NextIteration ops are in
+    the step's context; they end the body and are no loop inside the step."""
+    graph_def, props = in_loop(*mlp_step(), guarded=False)
+    g = G.build_index(graph_def, ["ret"])
+    found = regions.step_regions(g)
+    assert found.step == STEP[:2] and found.loops == ()
+    assert g.node("while/i_next") in found.region
+    assert not {g.node(n) for n in ("h1", "grad/w1", "sgd/update1")} & found.region
+    outcome = planner.plan("swap", analyzed(graph_def, ["ret"], props),
+                           context(swap_min_bytes=4096))
+    assert outcome.planned is not None and outcome.plan.swaps, outcome.plan.notes
+    after = outcome.planned.index
+    ctx = regions.contexts(after)
+    assert all(ctx[i] == STEP[:2] for i in after.sntf_nodes)
+
+
 def test_mixed_inputs_are_marked():
     b = (GraphBuilder().const("a", 1.0)
          .op("Enter", "e1", ["a"], T=DT_FLOAT, frame_name="f1")

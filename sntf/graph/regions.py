@@ -170,11 +170,29 @@ def step_regions(g: GraphIndex) -> StepRegions:
     ctx = contexts(g)
     step = _step_context(g, ctx)
     inside = [i for i, c in enumerate(ctx) if c is not MIXED and c[:len(step)] == step]
-    seeds = [i for i in inside if g.ops[i] in flow]
+    # The NextIteration ops of a loop around the step end its body: they
+    # are left alone, but what they feed (the loop's head) is not inside.
+    closing = {i for i in inside if g.ops[i] in optable.NEXT_ITERATION_OPS
+               and len(_frames(ctx[i])) == len(_frames(step))}
+    seeds = [i for i in inside if g.ops[i] in flow and i not in closing]
     region = descendants(g, seeds, control=True) if seeds else set()
     region.update(i for i, c in enumerate(ctx) if c != step)
-    loops = tuple(sorted({g.ops[i] for i in inside if g.ops[i] in optable.LOOP_OPS}))
+    region.update(closing)
+    loops = tuple(sorted({g.ops[i] for i in inside if g.ops[i] in optable.LOOP_OPS
+                          and _nested_loop(g, ctx, i, len(_frames(step)))}))
     return StepRegions(step=step, region=frozenset(region), loops=loops)
+
+
+def _nested_loop(g: GraphIndex, ctx: list, node: int, step_frames: int) -> bool:
+    """Whether loop op `node` belongs to a loop inside the step (not to one
+    around it): a functional While, or an op of a frame deeper than the
+    step's (an Exit is judged by what it reads, inside its frame)."""
+    if g.ops[node] in optable.FUNCTIONAL_CONTROL_FLOW_OPS:
+        return True
+    context = ctx[node]
+    if g.ops[node] in optable.EXIT_OPS and g.data_inputs[node]:
+        context = ctx[g.data_inputs[node][0][0]]
+    return context is MIXED or len(_frames(context)) > step_frames
 
 
 def control_flow_region(g: GraphIndex) -> frozenset:

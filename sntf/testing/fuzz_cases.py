@@ -61,6 +61,11 @@ def case_specs(policies=POLICIES):
             "swap_min_bytes": draw(st.sampled_from((0, 0, 0, 256, 4096))),
             "batch_size_option": draw(st.booleans()),
             "seed": draw(st.integers(0, 2**16)),
+            # The step run `loop` times inside a tf.while_loop in one call,
+            # as Keras' steps_per_execution runs it (0: no loop). Drawn
+            # last, so that the other fields of a seed's cases stay as
+            # they were.
+            "loop": draw(st.sampled_from((0, 0, 0, 2))),
         }
 
     return spec()
@@ -147,8 +152,9 @@ def build(spec: dict, tf):
     """The case's variables and its tf.function training step.
 
     Returns:
-      (step, variables): step(x) runs one SGD step and returns
-      [loss, output, *gradients].
+      (step, variables): step(x) runs one SGD step (or spec["loop"] of
+      them inside a tf.while_loop) and returns [loss, output, *gradients]
+      of the last.
     """
     conv = spec["kind"] == "conv"
     variables, params = _parameters(spec, tf)
@@ -156,8 +162,7 @@ def build(spec: dict, tf):
     feature = [spec["hw"], spec["hw"], spec["dims"][0]] if conv else [spec["dims"][0]]
     batch = None if spec["unknown_batch"] else spec["batch"]
 
-    @tf.function(input_signature=[tf.TensorSpec([batch] + feature, tf.float32)])
-    def step(x):
+    def one_step(x) -> list:
         with tf.GradientTape() as tape:
             loss, out = forward(x)
         grads = tape.gradient(loss, variables,
@@ -175,7 +180,22 @@ def build(spec: dict, tf):
             apply()
         return [loss, out] + list(grads)
 
-    return step, variables
+    signature = [tf.TensorSpec([batch] + feature, tf.float32)]
+    if not spec.get("loop"):
+        return tf.function(one_step, input_signature=signature), variables
+
+    @tf.function(input_signature=signature)
+    def looped(x):
+        # The last step's results leave the loop; before the first step the
+        # loop carries empty placeholders of any shape.
+        outputs = 2 + len(variables)
+        carried = tf.while_loop(
+            lambda i, *_: i < spec["loop"], lambda i, *_: [i + 1] + one_step(x),
+            [tf.constant(0)] + [tf.zeros([0])] * outputs,
+            shape_invariants=[tf.TensorShape([])] + [tf.TensorShape(None)] * outputs)
+        return carried[1:]
+
+    return looped, variables
 
 
 def _parameters(spec: dict, tf) -> tuple[list, list]:
