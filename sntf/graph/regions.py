@@ -13,15 +13,15 @@ context too because every one of its inputs does.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 from sntf.graph import names, optable
 from sntf.graph.index import GraphIndex, descendants
 from sntf.graph.training import variable_access
 
 # A context is a tuple of steps from the top level inwards: ("frame", name)
-# for a loop frame entered, ("branch", predicate tensor, port) for a taken
-# branch of a Switch. MIXED marks a node whose inputs come from contexts no
+# for a loop frame entered, ("body", predicate tensor, port) for a loop's
+# Switch on its LoopCond, ("branch", predicate tensor, port) for the taken
+# branch of any other Switch. MIXED marks a node whose inputs come from contexts no
 # one context contains (for example two loop frames): TensorFlow's executor
 # rejects a generated node there, and the pass never plans one.
 MIXED = None
@@ -91,7 +91,8 @@ def _output_context(g: GraphIndex, ctx: list, node: int, port: int):
         return here
     predicate = g.data_inputs[node][1] if len(g.data_inputs[node]) > 1 else None
     key = names.tensor_name(g.names[predicate[0]], predicate[1]) if predicate else ""
-    return here + (("branch", key, port),)
+    kind = "body" if predicate and g.ops[predicate[0]] == "LoopCond" else "branch"
+    return here + ((kind, key, port),)
 
 
 def _frames(context: tuple) -> tuple:

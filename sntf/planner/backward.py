@@ -80,7 +80,7 @@ def control_flow_note(regions) -> tuple:
 
 def _describe(step: tuple) -> str:
     loops = sum(1 for kind, *_ in step if kind == "frame")
-    branches = len(step) - loops
+    branches = sum(1 for kind, *_ in step if kind == "branch")
     parts = [f"{loops} loop(s)"] if loops else []
     parts += [f"{branches} conditional branch(es)"] if branches else []
     return " and ".join(parts)
