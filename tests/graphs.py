@@ -750,9 +750,9 @@ def in_loop(graph_def, props: dict, guarded: bool = True):
     the step is the loop's body, as a `tf.while_loop` around it lowers).
 
     Every `_Arg` stays at the top level and enters the frame through an
-    Enter (constant) and a Switch on the body's predicate "while/has"; the
-    step reads the Switch's true output. A Const of the step waits on the
-    branch's pivot (TensorFlow's lowering does the same, so that it lives in
+    Enter (constant) and a Switch on the body's predicate "while/has" (on
+    the loop's own "while/cond" when unguarded); the step reads the Switch's
+    true output. A Const of the step waits on the branch's pivot (TensorFlow's lowering does the same, so that it lives in
     the frame). The step's `_Retval`s are dropped: its first one's value
     leaves the branch through a Merge that the loop's NextIteration waits on,
     and the loop's counter leaves through an Exit to "ret".
