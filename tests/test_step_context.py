@@ -156,3 +156,13 @@ def test_keras_steps_per_execution_is_rewritten_and_bit_identical(fresh_python,
     assert rewritten, [(r["action"], r["reason"]) for r in training]
     assert all("training step inside 1 loop(s)" in r["reason"] for r in rewritten)
     assert all(r["swapped"] or r["recomputed"] for r in rewritten)
+
+
+def test_regions_are_computed_once_per_graph():
+    """The planners ask once per plan they try; a budget search tries dozens."""
+    graph_def, _, g = _wrapped()
+    assert regions.step_regions(g) is regions.step_regions(g)
+    assert regions.contexts(g) is regions.contexts(g)
+    again = G.build_index(graph_def, ["ret"])
+    assert regions.step_regions(again) is not regions.step_regions(g)
+    assert regions.step_regions(again) == regions.step_regions(g)

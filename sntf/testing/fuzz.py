@@ -366,9 +366,11 @@ class Tally:
 def _reason_kind(reason: str) -> str:
     """A training report's reason without the graph-specific part."""
     tail = reason.split("); ", 1)[-1]
+    # Most specific first: a step in a loop carries "planned within it"
+    # beside the reason nothing was done.
     for word in ("would not fall", "nothing to recompute", "already rewritten",
-                 "control flow present", "planned within it",
-                 "0 tensor(s)", "plan crosses devices", "deferred to Grappler"):
+                 "0 tensor(s)", "plan crosses devices", "deferred to Grappler",
+                 "control flow present", "planned within it"):
         if word in tail:
             return word
     return tail[:60]
