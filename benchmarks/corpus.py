@@ -2,6 +2,7 @@
 
     python benchmarks/corpus.py --record families      # one fit step per family
     python benchmarks/corpus.py --record fuzz --seeds 1,2,3 --cases 40
+    TF_ENABLE_ONEDNN_OPTS=1 python benchmarks/corpus.py --record zoo   # zoo graphs
     python benchmarks/corpus.py --expect               # re-record expected.json
     python benchmarks/corpus.py --check                # compare, print mismatches
 
@@ -30,7 +31,10 @@ FOLDER = os.path.join(REPO, "tests", "corpus", "graphs")
 EXPECTED = os.path.join(REPO, "tests", "corpus", "expected.json")
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("record", None, ["families", "fuzz"], "what to capture")
+flags.DEFINE_enum("record", None, ["families", "fuzz", "zoo"], "what to capture")
+flags.DEFINE_list("models", ["gpt", "vit", "mobilenet_v2", "preact_resnet",
+                             "unet_transpose", "se_resnet"],
+                  "sntf.testing.zoo architectures (--record zoo)")
 flags.DEFINE_list("seeds", ["1", "2", "3"], "fuzzer seeds (--record fuzz)")
 flags.DEFINE_integer("cases", 40, "fuzzer cases per seed (--record fuzz)")
 flags.DEFINE_integer("batch", 32, "batch of the family models (--record families)")
@@ -54,6 +58,16 @@ FAMILY_CONFIGS = (
     ("auto", 0.4, {}),
     ("auto", 0.6, {"budget_behaviour": "unchanged"}),
     ("swap+recompute", 0.6, {}),
+)
+# Zoo entries (architectures outside the families, captured as users run
+# them: oneDNN's rewrites on) are replayed under these.
+ZOO_CONFIGS = (
+    ("off", None, {}),
+    ("recompute", None, {}),
+    ("swap", None, {}),
+    ("swap+recompute", None, {}),
+    ("auto", None, {}),
+    ("auto", 0.5, {}),
 )
 # Fuzz entries: their own case's configuration, and these.
 FUZZ_CONFIGS = (
@@ -140,6 +154,25 @@ def record_families(batch: int) -> None:
         print(corpus.save(entry, FOLDER), flush=True)
 
 
+def record_zoo(models: list) -> None:
+    import sntf
+    from sntf.testing import zoo
+
+    recorder = Recorder()
+    sntf.enable(policy="recompute")
+    for name in models:
+        recorder.captured.clear()
+        model = zoo.build(name)
+        batch = zoo.default_batch(name)
+        x, y = zoo.make_data(name, batch)
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+        train = max(recorder.captured, key=lambda c: len(c["graph"]))
+        entry = _entry(f"zoo-{name}", train, [])
+        entry = corpus.Entry(**{**entry.__dict__,
+                                "configs": tuple(_absolute(entry, ZOO_CONFIGS))})
+        print(corpus.save(entry, FOLDER), flush=True)
+
+
 def record_fuzz(seeds: list, cases: int) -> None:
     import hypothesis
     from hypothesis import HealthCheck, Phase, given, settings
@@ -184,6 +217,8 @@ def main(argv) -> int:
         record_families(FLAGS.batch)
     elif FLAGS.record == "fuzz":
         record_fuzz(FLAGS.seeds, FLAGS.cases)
+    elif FLAGS.record == "zoo":
+        record_zoo(FLAGS.models)
     if FLAGS.expect:
         results = replay_all()
         with open(EXPECTED, "w") as f:

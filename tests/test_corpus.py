@@ -1,7 +1,8 @@
 """Replays the corpus of captured graphs (tests/corpus) through the pass.
 
 Every entry is a graph Grappler handed to the pass inside real training
-(seven model families, fuzzer cases at three seeds), with what the pass read
+(seven model families, six zoo architectures captured with oneDNN's rewrites
+on, fuzzer cases at three seeds), with what the pass read
 around it; expected.json holds the digests of the rewritten graph, the plan
 (its KEEP decisions aside) and the report under each configuration. A
 change that means to alter plans re-records it with
@@ -48,6 +49,13 @@ def test_fuzz_entries_replay_to_the_recorded_rewrites(seed):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in ENTRIES if n.startswith("family-")])
 def test_family_entries_replay_to_the_recorded_rewrites(name):
+    mismatches = [(key, want, got) for key, want, got in _replay(name) if got != want]
+    assert not mismatches, mismatches[:3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in ENTRIES if n.startswith("zoo-")])
+def test_zoo_entries_replay_to_the_recorded_rewrites(name):
     mismatches = [(key, want, got) for key, want, got in _replay(name) if got != want]
     assert not mismatches, mismatches[:3]
 
