@@ -127,6 +127,55 @@ def test_prefetch_trigger_runs_before_the_first_reader_and_covers_the_transfer()
     assert slow.decisions[0].seconds_added > 0
 
 
+def early_gradient_step():
+    """dense_step with a GELU-like gradient: grad/early = Exp(h1) reads
+    forward values only, so the executor runs it in the forward pass, and
+    only grad/mix = grad/h1 * grad/early combines it with a gradient."""
+    g, props = dense_step()
+    for node in g.node:
+        if node.name == "grad/relu":
+            node.input[:] = ["grad/mix", "h1"]
+    extra = GraphBuilder()
+    (extra.op("Exp", "grad/early", ["h1"], T=DT_FLOAT)
+     .op("Mul", "grad/mix", ["grad/h1", "grad/early"], T=DT_FLOAT)
+     # W2 trained too, so that h2 is the output layer the loss waits for.
+     .op("MatMul", "grad/w2", ["h1", "grad/seed"], T=DT_FLOAT, transpose_a=True)
+     .op("Mul", "sgd/mul2", ["lr", "grad/w2"], T=DT_FLOAT)
+     .op("AssignSubVariableOp", "sgd/update2", ["w2", "sgd/mul2"], dtype=DT_FLOAT))
+    g.node.extend(extra.build().node)
+    props["grad/early"] = props["grad/mix"] = props["h1"]
+    props["grad/w2"] = props["sgd/mul2"] = props["loss"]
+    props["sgd/update2"] = []
+    return g, props
+
+
+def test_a_tensor_first_read_by_an_early_gradient_op_is_swapped():
+    """h1's swap-in for grad/early, which waits for no gradient, is released
+    by a backward op upstream of grad/mix, the first op that combines
+    grad/early with a gradient, and never by one downstream of grad/early
+    (that would be a cycle). Before, no trigger was found and h1 stayed on
+    the device from the forward pass on."""
+    g, props = early_gradient_step()
+    idx = G.build_index(g, ["ret"])
+    facts = analysis.analyze(idx, props)
+    early = idx.node("grad/early")
+    assert facts.node_phases[early] == G.BACKWARD
+    assert early not in G.waits_for_loss(idx)
+    assert idx.node("grad/mix") in G.waits_for_loss(idx)
+    dtypes = {(idx.node(n), p): o[0] for n, outs in props.items()
+              for p, o in enumerate(outs)}
+    plan = planner.plan_swap(idx, facts, dtypes, 1, 1e15, frozenset(idx.fetch))
+    recipes = {r.tensor: r for r in plan.swaps}
+    assert "h1:0" in recipes, [d for d in plan.decisions if d.tensor == "h1:0"]
+    (group,) = [grp for grp in recipes["h1:0"].groups
+                if ("grad/early", 0) in grp.consumers]
+    trigger = idx.node(group.trigger)
+    assert trigger in G.ancestors(idx, [idx.node("grad/mix")])
+    assert trigger not in G.descendants(idx, [early], control=True)
+    out = rewrite.apply_plan(g, plan).graph_def
+    assert not G.build_index(out, ["ret"]).has_cycles
+
+
 def test_rewrite_adds_swap_nodes_and_lowers_the_predicted_peak():
     g, props, idx, facts, plan = swap_plan()
     out = rewrite.apply_plan(g, plan).graph_def

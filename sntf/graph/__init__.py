@@ -9,7 +9,8 @@ from sntf.graph.identity import graph_key
 from sntf.graph.index import (GraphError, GraphIndex, ancestors, build_index,
                               descendants, name_hint, parse_input)
 from sntf.graph.optable import is_gradient_op, is_update_op
-from sntf.graph.phases import BACKWARD, FORWARD, OTHER, classify_phases, weight_consumers
+from sntf.graph.phases import (BACKWARD, FORWARD, OTHER, classify_phases, waits_for_loss,
+                               weight_consumers)
 from sntf.graph.regions import control_flow_region, loop_ops, xla_compiled
 from sntf.graph.training import (TrainingInfo, detect_training, handle_root,
                                  variable_access)
@@ -19,5 +20,5 @@ __all__ = [
     "ancestors", "build_index", "classify_phases", "control_flow_region",
     "descendants", "detect_training", "graph_key", "handle_root", "is_gradient_op",
     "is_update_op", "loop_ops", "name_hint", "parse_input", "variable_access",
-    "weight_consumers", "xla_compiled",
+    "waits_for_loss", "weight_consumers", "xla_compiled",
 ]

@@ -9,7 +9,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
-from typing import Iterable, Optional
+import threading
+import weakref
+from typing import Callable, Iterable, Optional
 
 from sntf.graph import names, optable
 
@@ -227,3 +229,25 @@ def name_hint(g: GraphIndex, limit: int = 3) -> str:
             counts[name.split("/", 1)[0]] += 1
     top = [scope for scope, _ in counts.most_common(limit)]
     return ",".join(top) if top else (g.names[0] if g.names else "empty")
+
+
+# The planners ask for a graph's regions (and which ops wait for the loss)
+# once per plan they try, and a budget search tries dozens on one base graph:
+# each answer is kept for the last few graphs asked about (held weakly, so no
+# graph outlives its pass).
+_MEMO_SIZE = 8
+_memo: list = []
+_memo_lock = threading.Lock()
+
+
+def memoized(g: GraphIndex, kind: str, compute: Callable):
+    """compute(g), kept for the last few graphs asked about under `kind`."""
+    with _memo_lock:
+        for ref, k, value in _memo:
+            if k == kind and ref() is g:
+                return value
+    value = compute(g)
+    with _memo_lock:
+        _memo.append((weakref.ref(g), kind, value))
+        del _memo[:-_MEMO_SIZE]
+    return value

@@ -6,7 +6,7 @@ import collections
 from typing import Iterable
 
 from sntf.graph import optable
-from sntf.graph.index import GraphIndex, ancestors, descendants
+from sntf.graph.index import GraphIndex, ancestors, descendants, memoized
 from sntf.graph.training import weight_users, variable_access
 
 
@@ -113,6 +113,34 @@ def classify_phases(g: GraphIndex) -> tuple[str, ...]:
     backward = ((below & feeding) - forward) & gradient_side
     return tuple(FORWARD if i in forward else BACKWARD if i in backward else OTHER
                  for i in range(len(g.names)))
+
+
+def waits_for_loss(g: GraphIndex) -> frozenset:
+    """Nodes downstream of the forward pass's output layers (the weight
+    consumers no other one descends from): the loss and every backward op
+    that waits for it.
+
+    A backward op outside the set computes from forward values alone
+    (GELU's exp(-x*x/2), the x - mean of a normalization's gradient): the
+    executor runs it as soon as those exist, during the forward pass, so it
+    cannot time anything in the backward pass. Control edges count, as
+    they do for the executor.
+
+    Args:
+      g: the graph index.
+
+    Returns:
+      Node indices (empty when the graph updates no weight from an
+      activation).
+    """
+    return memoized(g, "waits_for_loss", _waits_for_loss)
+
+
+def _waits_for_loss(g: GraphIndex) -> frozenset:
+    anchors = weight_consumers(g)
+    upstream = ancestors(g, [p for a in anchors for p, _ in g.data_inputs[a]],
+                         control=False)
+    return frozenset(descendants(g, set(anchors) - upstream, control=True))
 
 
 def _gradient_sources(g: GraphIndex, forward_users: Iterable[int]) -> set:

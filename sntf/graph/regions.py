@@ -13,12 +13,9 @@ context too because every one of its inputs does.
 from __future__ import annotations
 
 import dataclasses
-import threading
-import weakref
-from typing import Callable
 
 from sntf.graph import names, optable
-from sntf.graph.index import GraphIndex, descendants
+from sntf.graph.index import GraphIndex, descendants, memoized
 from sntf.graph.training import variable_access
 
 # A context is a tuple of steps from the top level inwards: ("frame", name)
@@ -29,25 +26,6 @@ from sntf.graph.training import variable_access
 # rejects a generated node there, and the pass never plans one.
 MIXED = None
 _FRAME = "frame"
-
-# The planners ask for a graph's regions once per plan they try, and a
-# budget search tries dozens on one base graph: each answer is kept for the
-# last few graphs asked about (held weakly, so no graph outlives its pass).
-_MEMO_SIZE = 8
-_memo: list = []
-_memo_lock = threading.Lock()
-
-
-def _memoized(g: GraphIndex, kind: str, compute: Callable):
-    with _memo_lock:
-        for ref, k, value in _memo:
-            if k == kind and ref() is g:
-                return value
-    value = compute(g)
-    with _memo_lock:
-        _memo.append((weakref.ref(g), kind, value))
-        del _memo[:-_MEMO_SIZE]
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +63,7 @@ def contexts(g: GraphIndex) -> list:
       Per node, a context tuple, or MIXED (a list shared by every caller:
       not to be changed).
     """
-    return _memoized(g, "contexts", _contexts)
+    return memoized(g, "contexts", _contexts)
 
 
 def _contexts(g: GraphIndex) -> list:
@@ -192,7 +170,7 @@ def step_regions(g: GraphIndex) -> StepRegions:
     Returns:
       The StepRegions (an empty region without control flow).
     """
-    return _memoized(g, "regions", _step_regions)
+    return memoized(g, "regions", _step_regions)
 
 
 def _step_regions(g: GraphIndex) -> StepRegions:

@@ -3,11 +3,13 @@ planners share."""
 
 from __future__ import annotations
 
+import heapq
 from typing import Optional
 
 from sntf.analysis.memory import PERSISTENT
 from sntf.graph import names
-from sntf.graph.phases import BACKWARD, FORWARD
+from sntf.graph.index import descendants
+from sntf.graph.phases import BACKWARD, FORWARD, waits_for_loss
 
 
 def backward_read_by_buffer(g, facts) -> dict:
@@ -34,6 +36,13 @@ def gradient_ancestor(g, facts, step_of: dict, reader: int, seconds: float,
     nearby in the predicted order (a shape computation, another branch) can
     run much earlier, bringing the tensor back long before it is needed.
 
+    Only ops that wait for the loss (graph.waits_for_loss) are followed. A
+    reader that does not (a gradient op computed from forward values alone,
+    such as GELU's exp(-x*x/2)) would otherwise run in the forward pass; it
+    is followed down to the first backward op after it that waits for the
+    loss, and the walk starts there, outside the reader's descendants (a
+    trigger among them would wait for the tensor it brings back).
+
     Args:
       g, facts: the graph index and its analysis.
       step_of: node index -> schedule step.
@@ -43,13 +52,20 @@ def gradient_ancestor(g, facts, step_of: dict, reader: int, seconds: float,
         control edge must not cross devices); None: any.
 
     Returns:
-      The node index, or None when the reader has no backward input.
+      The node index, or None when no op that waits for the loss leads to
+      the reader.
     """
-    covered, node, found = 0.0, reader, None
-    while True:
+    waits = waits_for_loss(g)
+    node, below = reader, frozenset()
+    if reader not in waits:
+        node = _first_waiting(g, facts, step_of, reader, waits)
+        below = descendants(g, [reader], control=True)
+    covered, found = 0.0, None
+    while node is not None:
         # Control inputs count: a recomputed clone waits on its trigger.
         preds = [p for p, _ in g.data_inputs[node]] + list(g.control_inputs[node])
         inputs = [p for p in preds if facts.node_phases[p] == BACKWARD
+                  and p in waits and p not in below
                   and (device is None or g.devices[p] == device)]
         if not inputs:
             return found
@@ -58,6 +74,22 @@ def gradient_ancestor(g, facts, step_of: dict, reader: int, seconds: float,
         covered += facts.step_seconds[step_of[node]]
         if covered >= seconds:
             return node
+    return None
+
+
+def _first_waiting(g, facts, step_of: dict, reader: int, waits: frozenset):
+    """The earliest scheduled backward op downstream of `reader` that waits
+    for the loss, through backward ops that do not; None if there is none."""
+    seen, ready = {reader}, [(step_of[reader], reader)]
+    while ready:
+        _, node = heapq.heappop(ready)
+        if node != reader and node in waits:
+            return node
+        for c, _, _ in g.consumers[node]:
+            if c not in seen and c in step_of and facts.node_phases[c] == BACKWARD:
+                seen.add(c)
+                heapq.heappush(ready, (step_of[c], c))
+    return None
 
 
 def read_under_control_flow(g, tensor: tuple, region: frozenset) -> bool:
