@@ -80,8 +80,11 @@ def _budget_cell(runs: list, budget) -> str:
     plan fits it (the target: at most 1.05 wherever they say it fits)."""
     if budget is None:
         return ""
-    fits = all(t.get("budget_fits") for r in runs for t in (r["training_reports"] or [])
-               if t.get("budget_bytes"))
+    planned = [t.get("budget_fits") for r in runs for t in (r["training_reports"] or [])
+               if t.get("budget_bytes")]
+    # No report with a budget (the pass failed, or nothing was planned):
+    # nothing was said to fit.
+    fits = bool(planned) and all(planned)
     return f"{max(_peaks(runs)) / budget:.2f} ({'fits' if fits else 'best effort'})"
 
 

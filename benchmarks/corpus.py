@@ -32,8 +32,8 @@ EXPECTED = os.path.join(REPO, "tests", "corpus", "expected.json")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("record", None, ["families", "fuzz", "zoo"], "what to capture")
-flags.DEFINE_list("models", ["gpt", "vit", "mobilenet_v2", "preact_resnet",
-                             "unet_transpose", "se_resnet"],
+flags.DEFINE_list("models", ["gpt", "transformer", "vit", "mobilenet_v2",
+                             "preact_resnet", "unet_transpose", "se_resnet"],
                   "sntf.testing.zoo architectures (--record zoo)")
 flags.DEFINE_list("seeds", ["1", "2", "3"], "fuzzer seeds (--record fuzz)")
 flags.DEFINE_integer("cases", 40, "fuzzer cases per seed (--record fuzz)")
@@ -155,6 +155,8 @@ def record_families(batch: int) -> None:
 
 
 def record_zoo(models: list) -> None:
+    import tensorflow as tf
+
     import sntf
     from sntf.testing import zoo
 
@@ -165,7 +167,10 @@ def record_zoo(models: list) -> None:
         model = zoo.build(name)
         batch = zoo.default_batch(name)
         x, y = zoo.make_data(name, batch)
-        model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+        # A batched tf.data pipeline, as measure_peak feeds: its batch
+        # dimension is unknown, so the backward pass reads shapes (Shape ops).
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+        model.fit(data, epochs=1, verbose=0)
         train = max(recorder.captured, key=lambda c: len(c["graph"]))
         entry = _entry(f"zoo-{name}", train, [])
         entry = corpus.Entry(**{**entry.__dict__,

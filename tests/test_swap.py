@@ -176,6 +176,19 @@ def test_a_tensor_first_read_by_an_early_gradient_op_is_swapped():
     assert not G.build_index(out, ["ret"]).has_cycles
 
 
+def test_edges_acyclic_sees_a_cycle_that_added_edges_close():
+    """The check plan_swap runs over the edges of swap-ins timed by ops that
+    are not their readers' ancestors: grad/relu -> h1 closes a cycle
+    (h1 -> ... -> grad/relu), grad/h1 -> grad/early does not."""
+    from sntf.planner import backward
+
+    g, _ = early_gradient_step()
+    idx = G.build_index(g, ["ret"])
+    assert backward.edges_acyclic(idx, [])
+    assert backward.edges_acyclic(idx, [(idx.node("grad/h1"), idx.node("grad/early"))])
+    assert not backward.edges_acyclic(idx, [(idx.node("grad/relu"), idx.node("h1"))])
+
+
 def test_rewrite_adds_swap_nodes_and_lowers_the_predicted_peak():
     g, props, idx, facts, plan = swap_plan()
     out = rewrite.apply_plan(g, plan).graph_def

@@ -25,7 +25,8 @@ def backward_read_by_buffer(g, facts) -> dict:
 
 
 def gradient_ancestor(g, facts, step_of: dict, reader: int, seconds: float,
-                      device: Optional[str] = None) -> Optional[int]:
+                      device: Optional[str] = None,
+                      follow_early: bool = False) -> Optional[int]:
     """The backward op that releases a swap-in needed by `reader`.
 
     Walks back from `reader` along the backward pass's critical path: at each
@@ -38,10 +39,13 @@ def gradient_ancestor(g, facts, step_of: dict, reader: int, seconds: float,
 
     Only ops that wait for the loss (graph.waits_for_loss) are followed. A
     reader that does not (a gradient op computed from forward values alone,
-    such as GELU's exp(-x*x/2)) would otherwise run in the forward pass; it
-    is followed down to the first backward op after it that waits for the
-    loss, and the walk starts there, outside the reader's descendants (a
-    trigger among them would wait for the tensor it brings back).
+    such as GELU's exp(-x*x/2)) would otherwise run in the forward pass.
+    With follow_early, it is followed down to the first backward op after
+    it that waits for the loss, and the walk starts there, outside the
+    reader's descendants (a trigger among them would wait for the tensor it
+    brings back). Such a trigger is no ancestor of the reader, so its edge
+    runs against the schedule: the caller checks the plan's edges together
+    (edges_acyclic).
 
     Args:
       g, facts: the graph index and its analysis.
@@ -50,6 +54,7 @@ def gradient_ancestor(g, facts, step_of: dict, reader: int, seconds: float,
       seconds: compute to leave between the trigger and the reader.
       device: only ops placed on this device are followed (the trigger's
         control edge must not cross devices); None: any.
+      follow_early: serve a reader that does not wait for the loss.
 
     Returns:
       The node index, or None when no op that waits for the loss leads to
@@ -57,7 +62,7 @@ def gradient_ancestor(g, facts, step_of: dict, reader: int, seconds: float,
     """
     waits = waits_for_loss(g)
     node, below = reader, frozenset()
-    if reader not in waits:
+    if follow_early and reader not in waits:
         node = _first_waiting(g, facts, step_of, reader, waits)
         below = descendants(g, [reader], control=True)
     covered, found = 0.0, None
@@ -90,6 +95,29 @@ def _first_waiting(g, facts, step_of: dict, reader: int, waits: frozenset):
                 seen.add(c)
                 heapq.heappush(ready, (step_of[c], c))
     return None
+
+
+def edges_acyclic(g, edges) -> bool:
+    """Whether the graph stays acyclic with the control edges `edges`
+    ((from, to) node pairs) added: Kahn's algorithm over data and control
+    edges."""
+    extra = {}
+    indegree = [len(g.data_inputs[n]) + len(g.control_inputs[n])
+                for n in range(len(g.names))]
+    for a, b in edges:
+        extra.setdefault(a, []).append(b)
+        indegree[b] += 1
+    ready = [n for n, d in enumerate(indegree) if d == 0]
+    seen = 0
+    while ready:
+        n = ready.pop()
+        seen += 1
+        for c in ([c for c, _, _ in g.consumers[n]] + list(g.control_consumers[n])
+                  + extra.get(n, [])):
+            indegree[c] -= 1
+            if indegree[c] == 0:
+                ready.append(c)
+    return seen == len(g.names)
 
 
 def read_under_control_flow(g, tensor: tuple, region: frozenset) -> bool:

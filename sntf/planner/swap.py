@@ -92,18 +92,36 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
         step_of={node: s for s, node in enumerate(facts.schedule)},
         elapsed=list(itertools.accumulate(facts.step_seconds, initial=0.0)),
         backward_read=backward_read_by_buffer(g, facts))
+    # A loop's back edges make any graph cyclic to edges_acyclic.
+    decisions, recipes, keeps = _plan_tensors(setting, follow_early=not g.has_cycles)
+    early_note = ()
+    if not g.has_cycles and not backward.edges_acyclic(g, [(g.node(grp.trigger), g.node(c))
+                                      for r in recipes for grp in r.groups
+                                      for c, _ in grp.consumers]):
+        # The swap-ins of readers that wait for no gradient are timed by
+        # ops that are not their ancestors; here two such edges close a
+        # cycle, so those readers are not served.
+        decisions, recipes, keeps = _plan_tensors(setting, follow_early=False)
+        early_note = ("swap: gradient ops that wait for no gradient not served "
+                      "(their swap-ins' edges would close a cycle)",)
+    notes = (f"swap: {len(recipes)} tensor(s) of at least {min_bytes} bytes",
+             *early_note, *control_flow_note(regions))
+    return Plan(policy="swap", decisions=tuple(decisions) + tuple(keeps), notes=notes,
+                swaps=tuple(recipes))
+
+
+def _plan_tensors(s: _Setting, follow_early: bool) -> tuple:
+    """(SWAP decisions, Swap recipes, KEEP decisions) for every forward
+    tensor the backward pass reads."""
     decisions, recipes, keeps = [], [], []
-    for t in backward_read_tensors(g, facts):
-        answer = _swap_one(setting, t)
+    for t in backward_read_tensors(s.g, s.facts):
+        answer = _swap_one(s, t, follow_early)
         if isinstance(answer, str):
-            keeps.append(keep(tensor_name(g, t), f"swap: {answer}"))
+            keeps.append(keep(tensor_name(s.g, t), f"swap: {answer}"))
         else:
             recipes.append(answer[0])
             decisions.append(answer[1])
-    notes = (f"swap: {len(recipes)} tensor(s) of at least {min_bytes} bytes",
-             *control_flow_note(regions))
-    return Plan(policy="swap", decisions=tuple(decisions) + tuple(keeps), notes=notes,
-                swaps=tuple(recipes))
+    return decisions, recipes, keeps
 
 
 def _not_swappable(s: _Setting, producer: int) -> Optional[str]:
@@ -142,7 +160,7 @@ def _tensor_not_swappable(s: _Setting, t: tuple, buffer, size: int) -> Optional[
     return None
 
 
-def _swap_one(s: _Setting, t: tuple) -> Union[str, tuple]:
+def _swap_one(s: _Setting, t: tuple, follow_early: bool) -> Union[str, tuple]:
     """(Swap, Decision) for forward tensor t, or the reason t is kept."""
     g, facts = s.g, s.facts
     producer, port = t
@@ -159,7 +177,8 @@ def _swap_one(s: _Setting, t: tuple) -> Union[str, tuple]:
                       and g.ops[c] not in optable.METADATA_OPS),
                      key=lambda r: s.step_of[r[0]])
     transfer = size / s.bandwidth
-    groups = _swap_groups(g, facts, readers, transfer, s.step_of, s.elapsed)
+    groups = _swap_groups(g, facts, readers, transfer, s.step_of, s.elapsed,
+                          follow_early)
     if not groups:
         return "no backward op can start its swap-in"
     name = tensor_name(g, t)
@@ -186,7 +205,8 @@ def _workspace_paired(g, tensor: tuple) -> bool:
         for c, slot, p in g.consumers[producer] if p == port)
 
 
-def _swap_groups(g, facts, readers, transfer, step_of, elapsed) -> list:
+def _swap_groups(g, facts, readers, transfer, step_of, elapsed,
+                 follow_early: bool) -> list:
     """Splits readers into swap-in windows and picks each one's prefetch trigger."""
     groups, current = [], []
     window = heuristics.SWAP_WINDOW_TRANSFERS * transfer
@@ -202,7 +222,8 @@ def _swap_groups(g, facts, readers, transfer, step_of, elapsed) -> list:
     for batch in groups:
         c, slot = batch[0]
         trigger = backward.gradient_ancestor(g, facts, step_of, c, transfer,
-                                    g.devices[g.data_inputs[c][slot][0]])
+                                             g.devices[g.data_inputs[c][slot][0]],
+                                             follow_early)
         if trigger is None:
             return []
         result.append(SwapGroup(consumers=tuple((g.names[c], slot) for c, slot in batch),
