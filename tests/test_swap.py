@@ -176,6 +176,36 @@ def test_a_tensor_first_read_by_an_early_gradient_op_is_swapped():
     assert not G.build_index(out, ["ret"]).has_cycles
 
 
+def test_a_tensor_the_backward_pass_reads_through_a_view_is_swapped():
+    """h2 and grad/relu read h1 through a Reshape, as a Dense layer on a 3-D
+    input and its weight gradient read the input (Tensordot). The view is
+    swapped, and with it the buffer goes: it holds no other tensor the
+    backward pass reads. Before, the view was kept ("Reshape is a view of
+    its input") and the buffer with it."""
+    g, props = dense_step()
+    extra = GraphBuilder()
+    extra.const("h1_shape", [-1], DT_INT32).op("Reshape", "h1_view", ["h1", "h1_shape"],
+                                                T=DT_FLOAT, Tshape=DT_INT32)
+    g.node.extend(extra.build().node)
+    for node in g.node:
+        if node.name == "grad/relu":
+            node.input[1] = "h1_view"
+        elif node.name == "h2":
+            node.input[0] = "h1_view"
+    props["h1_view"] = props["h1"]
+    props["h1_shape"] = [(DT_INT32, (1,))]
+    idx = G.build_index(g, ["ret"])
+    facts = analysis.analyze(idx, props)
+    dtypes = {(idx.node(n), p): o[0] for n, outs in props.items()
+              for p, o in enumerate(outs)}
+    plan = planner.plan_swap(idx, facts, dtypes, MIB, 1e9, frozenset(idx.fetch))
+    assert [s.tensor for s in plan.swaps] == ["h1_view:0"], plan.decisions
+    out = rewrite.apply_plan(g, plan).graph_def
+    new_idx = G.build_index(out, ["ret"])
+    new_facts = analysis.analyze(new_idx, analysis.with_generated(props, new_idx))
+    assert new_facts.predicted_peak_bytes < facts.predicted_peak_bytes
+
+
 def test_edges_acyclic_sees_a_cycle_that_added_edges_close():
     """The check plan_swap runs over the edges of swap-ins timed by ops that
     are not their readers' ancestors: grad/relu -> h1 closes a cycle

@@ -133,7 +133,7 @@ def _not_swappable(s: _Setting, producer: int) -> Optional[str]:
         return "a fetched or preserved node"
     if producer in s.region:
         return "under control flow"
-    if op in optable.ALIAS_OPS:
+    if op in optable.ALIAS_OPS and op not in optable.VIEW_OPS:
         return f"{op} is a view of its input"
     if op in optable.FREE_OPS or op in optable.PERSISTENT_OPS:
         return f"{op} holds no step memory"
