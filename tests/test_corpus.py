@@ -1,8 +1,9 @@
 """Replays the corpus of captured graphs (tests/corpus) through the pass.
 
 Every entry is a graph Grappler handed to the pass inside real training
-(seven model families, six zoo architectures captured with oneDNN's rewrites
-on, fuzzer cases at three seeds), with what the pass read
+(seven model families, seven zoo architectures captured as users run them:
+oneDNN's rewrites on, a batched tf.data pipeline; fuzzer cases at three
+seeds), with what the pass read
 around it; expected.json holds the digests of the rewritten graph, the plan
 (its KEEP decisions aside) and the report under each configuration. A
 change that means to alter plans re-records it with

@@ -81,11 +81,11 @@ HANDLE_FORWARDING_OPS = frozenset({"Identity", "IdentityN", "Switch", "RefSwitch
 # (training detection: a weight consumer reads the weight through them).
 PASS_THROUGH_OPS = frozenset({"Identity", "Cast", "Reshape", "Transpose",
                               "ExpandDims", "Squeeze", "Snapshot", "IdentityN"})
-# Ops whose output is a view of input 0: no allocation (the memory model).
 # Views of a step tensor that the backward pass may read in its stead (a
 # Dense layer on a 3-D input reads its input through a Reshape): swapping
 # the view frees the buffer when no other tensor in it is read there.
 VIEW_OPS = frozenset({"Reshape", "Squeeze", "ExpandDims", "Identity"})
+# Ops whose output is a view of input 0: no allocation (the memory model).
 ALIAS_OPS = frozenset({
     "Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
     "PreventGradient", "Snapshot", "EnsureShape", "CheckNumerics", "_Retval",

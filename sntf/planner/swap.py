@@ -9,7 +9,7 @@ import itertools
 from typing import Optional, Union
 
 from sntf.graph import optable
-from sntf.graph.phases import BACKWARD, FORWARD
+from sntf.graph.phases import BACKWARD, FORWARD, waits_for_loss
 from sntf.graph.regions import step_regions
 from sntf.planner import heuristics
 from sntf.planner import backward
@@ -93,11 +93,12 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
         elapsed=list(itertools.accumulate(facts.step_seconds, initial=0.0)),
         backward_read=backward_read_by_buffer(g, facts))
     # A loop's back edges make any graph cyclic to edges_acyclic.
-    decisions, recipes, keeps = _plan_tensors(setting, follow_early=not g.has_cycles)
+    follow_early = not g.has_cycles
+    decisions, recipes, keeps = _plan_tensors(setting, follow_early)
     early_note = ()
-    if not g.has_cycles and not backward.edges_acyclic(g, [(g.node(grp.trigger), g.node(c))
-                                      for r in recipes for grp in r.groups
-                                      for c, _ in grp.consumers]):
+    if follow_early and _serves_early_readers(g, recipes) and not backward.edges_acyclic(
+            g, [(g.node(grp.trigger), g.node(c)) for r in recipes for grp in r.groups
+                for c, _ in grp.consumers]):
         # The swap-ins of readers that wait for no gradient are timed by
         # ops that are not their ancestors; here two such edges close a
         # cycle, so those readers are not served.
@@ -108,6 +109,16 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
              *early_note, *control_flow_note(regions))
     return Plan(policy="swap", decisions=tuple(decisions) + tuple(keeps), notes=notes,
                 swaps=tuple(recipes))
+
+
+def _serves_early_readers(g, recipes) -> bool:
+    """Whether a swap-in serves a reader that waits for no gradient. Only
+    such a swap-in's trigger may not be an ancestor of its readers; without
+    one, every trigger runs before its readers and the edges need no check
+    (the pass runs on every traced function)."""
+    waits = waits_for_loss(g)
+    return any(g.node(grp.consumers[0][0]) not in waits
+               for r in recipes for grp in r.groups)
 
 
 def _plan_tensors(s: _Setting, follow_early: bool) -> tuple:
