@@ -206,6 +206,39 @@ def test_a_tensor_the_backward_pass_reads_through_a_view_is_swapped():
     assert new_facts.predicted_peak_bytes < facts.predicted_peak_bytes
 
 
+def test_a_tensor_whose_buffer_another_tensor_lends_to_a_shape_op_is_swapped():
+    """h1 (Relu, in place) lives in h1_pre's buffer, and a backward op
+    reads h1_pre's shape only, as the gradient of a residual join reads its
+    input's shape when the batch is unknown. A Shape op runs as soon as its
+    input exists, so swapping h1 still frees the buffer. Before, h1_pre
+    counted as a tensor the backward pass reads and h1 was kept ("its
+    buffer holds other tensors the backward pass reads"): in an SE-ResNet
+    fed by tf.data, every block's output stayed on the device."""
+    g, props = dense_step()
+    extra = GraphBuilder()
+    (extra.op("Shape", "grad/h1_pre_shape", ["h1_pre"], T=DT_FLOAT, out_type=DT_INT32)
+     .op("Reshape", "grad/h1_shaped", ["grad/h1", "grad/h1_pre_shape"], T=DT_FLOAT,
+         Tshape=DT_INT32))
+    g.node.extend(extra.build().node)
+    for node in g.node:
+        if node.name == "grad/relu":
+            node.input[0] = "grad/h1_shaped"
+    props["grad/h1_pre_shape"] = [(DT_INT32, (1,))]
+    props["grad/h1_shaped"] = props["grad/h1"]
+    idx = G.build_index(g, ["ret"])
+    facts = analysis.analyze(idx, props)
+    assert facts.node_phases[idx.node("grad/h1_pre_shape")] == G.BACKWARD
+    assert facts.buffer_of((idx.node("h1"), 0)) == (idx.node("h1_pre"), 0)
+    dtypes = {(idx.node(n), p): o[0] for n, outs in props.items()
+              for p, o in enumerate(outs)}
+    plan = planner.plan_swap(idx, facts, dtypes, MIB, 1e9, frozenset(idx.fetch))
+    assert [s.tensor for s in plan.swaps] == ["h1:0"], plan.decisions
+    out = rewrite.apply_plan(g, plan).graph_def
+    new_idx = G.build_index(out, ["ret"])
+    new_facts = analysis.analyze(new_idx, analysis.with_generated(props, new_idx))
+    assert new_facts.predicted_peak_bytes < facts.predicted_peak_bytes
+
+
 def test_edges_acyclic_sees_a_cycle_that_added_edges_close():
     """The check plan_swap runs over the edges of swap-ins timed by ops that
     are not their readers' ancestors: grad/relu -> h1 closes a cycle

@@ -7,18 +7,32 @@ import heapq
 from typing import Optional
 
 from sntf.analysis.memory import PERSISTENT
-from sntf.graph import names
+from sntf.graph import names, optable
 from sntf.graph.index import descendants
 from sntf.graph.phases import BACKWARD, FORWARD, waits_for_loss
 
 
-def backward_read_by_buffer(g, facts) -> dict:
-    """Buffer -> the forward tensors living in it that the backward pass reads."""
+def backward_read_by_buffer(g, facts, shape_readers: bool = False) -> dict:
+    """Buffer -> the forward tensors living in it that the backward pass reads.
+
+    Args:
+      g, facts: the graph index and its analysis.
+      shape_readers: whether a backward op that reads only the tensor's
+        shape (optable.METADATA_OPS) counts. Such an op runs as soon as the
+        tensor exists and holds it no longer than a forward reader, so a
+        plan that serves the other readers frees the buffer regardless (a
+        residual join's output, which a Shape op of the next join's
+        gradient reads when the batch is unknown, shares its buffer with
+        the ReLU after it).
+
+    Returns:
+      {buffer: {(node, port)}}.
+    """
     phases = facts.node_phases
     result = {}
     for t, buffer in facts.buffers.items():
         if phases[t[0]] == FORWARD and any(
-                phases[c] == BACKWARD
+                phases[c] == BACKWARD and (shape_readers or g.ops[c] not in optable.METADATA_OPS)
                 for c, _, p in g.consumers[t[0]] if p == t[1]):
             result.setdefault(buffer, set()).add(t)
     return result

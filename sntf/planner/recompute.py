@@ -87,7 +87,7 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
             kept[tensor_name(g, t)] = answer
         else:
             candidates.append(answer)
-    recipes, decisions, dropped = _whole_buffers(g, facts, candidates)
+    recipes, decisions, dropped = _whole_buffers(g, facts, candidates, setting.segments)
     kept.update(dropped)
     notes = (f"recompute ({mode}): {len(recipes)} tensor(s)", *control_flow_note(regions))
     keeps = tuple(keep(t, f"recompute: {why}") for t, why in kept.items())
@@ -190,7 +190,7 @@ def _recompute_one(s: _Setting, t: tuple, region) -> Union[str, tuple]:
     return buffer, t, recipe, decision
 
 
-def _whole_buffers(g, facts, candidates):
+def _whole_buffers(g, facts, candidates, segments: bool):
     """Keeps the candidates whose buffer is freed by the plan.
 
     An op that runs in place (a ReLU after a BatchNorm's add) leaves its
@@ -202,7 +202,9 @@ def _whole_buffers(g, facts, candidates):
     Returns:
       (recipes, decisions, {dropped tensor: why}).
     """
-    backward_read = backward_read_by_buffer(g, facts)
+    # With segments, readers of the shape alone are no candidates' readers
+    # (see _recompute_one), so they keep no buffer either.
+    backward_read = backward_read_by_buffer(g, facts, shape_readers=not segments)
     # A clone may still read the original of another recomputed tensor (a
     # ResNet block's output feeds the next block's join); that only moves the
     # original's death to the clone, earlier in the backward pass, which the
