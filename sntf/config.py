@@ -62,8 +62,9 @@ class Options:
     # "auto" (speed unless that would raise the predicted peak).
     recompute_mode: str = "auto"
     # Swapping: tensors smaller than this stay on the device (the transfer's
-    # fixed cost outweighs the bytes).
-    swap_min_bytes: int = 1 << 20
+    # fixed cost outweighs the bytes). None: 1 MiB, or less in a network
+    # whose tensors are all small (planner.swap.default_min_bytes).
+    swap_min_bytes: Optional[int] = None
     # Host link bandwidth (bytes/s) that sets the prefetch distance: None
     # means PCIe 4 x16 (25 GB/s sustained) on a GPU and the cost model's
     # memory bandwidth on CPU.
@@ -117,7 +118,7 @@ def parse_options(options: Mapping[str, Any]) -> Options:
     if mode not in ("auto", "speed", "memory"):
         raise ValueError(f"sntf: recompute_mode must be 'auto', 'speed' or "
                          f"'memory', got {mode!r}")
-    if "swap_min_bytes" in values:
+    if values.get("swap_min_bytes") is not None:
         values["swap_min_bytes"] = parse_size(values["swap_min_bytes"], "swap_min_bytes",
                                               allow_zero=True)
     bandwidth = values.get("link_bandwidth")

@@ -239,6 +239,27 @@ def test_a_tensor_whose_buffer_another_tensor_lends_to_a_shape_op_is_swapped():
     assert new_facts.predicted_peak_bytes < facts.predicted_peak_bytes
 
 
+def test_the_default_threshold_comes_down_where_small_tensors_hold_the_bytes():
+    """Without swap_min_bytes, a step whose tensors are all below 1 MiB (a
+    transformer at a small batch) still gets its largest ones swapped: the
+    threshold comes down until the tensors above it hold most of the bytes
+    the backward pass reads. Before, 1 MiB was fixed, and a ViT kept every
+    activation. Where large tensors hold those bytes, it stays at 1 MiB."""
+    from sntf.planner import heuristics
+    from sntf.planner.swap import default_min_bytes
+    for width, expected in ((MIB // 16, MIB // 4), (MIB // 4, MIB)):
+        g, props = dense_step(width)
+        idx = G.build_index(g, ["ret"])
+        facts = analysis.analyze(idx, props)
+        assert default_min_bytes(idx, facts) == min(heuristics.SWAP_MIN_BYTES, expected)
+        dtypes = {(idx.node(n), p): o[0] for n, outs in props.items()
+                  for p, o in enumerate(outs)}
+        fixed = planner.plan_swap(idx, facts, dtypes, MIB, 1e9, frozenset(idx.fetch))
+        default = planner.plan_swap(idx, facts, dtypes, None, 1e9, frozenset(idx.fetch))
+        assert [s.tensor for s in default.swaps] == ["h1:0"], default.decisions
+        assert [s.tensor for s in fixed.swaps] == ([] if width < MIB // 4 else ["h1:0"])
+
+
 def test_edges_acyclic_sees_a_cycle_that_added_edges_close():
     """The check plan_swap runs over the edges of swap-ins timed by ops that
     are not their readers' ancestors: grad/relu -> h1 closes a cycle

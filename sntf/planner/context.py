@@ -29,7 +29,8 @@ class Context:
     Attributes:
       evaluate: tries a plan (see module docstring).
       recompute_mode: "speed", "memory" or "auto".
-      swap_min_bytes: smaller tensors are never swapped.
+      swap_min_bytes: smaller tensors are never swapped; None: a threshold
+        scaled to the graph (planner.swap.default_min_bytes).
       bandwidth: bytes per second between the device and the host pool.
       onednn: whether oneDNN pairs forward ops with their gradients.
       budget: the device budget in bytes, or None.
@@ -44,7 +45,7 @@ class Context:
 
     evaluate: Evaluate
     recompute_mode: str = "auto"
-    swap_min_bytes: int = 1 << 20
+    swap_min_bytes: Optional[int] = None
     bandwidth: float = heuristics.PCIE4_X16_BYTES_PER_SECOND
     onednn: bool = True
     budget: Optional[int] = None

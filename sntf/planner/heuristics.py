@@ -31,6 +31,18 @@ UPDATE_ORDER_SLACK_BYTES = 64 << 10
 # times of the group's first reader; a later reader gets its own swap-in, so
 # the tensor does not sit on the device between distant readers.
 SWAP_WINDOW_TRANSFERS = 4.0
+# Tensors smaller than this stay on the device when swap_min_bytes is not
+# set: a transfer's fixed cost (two ops, a pool allocation, a DMA set-up)
+# outweighs fewer bytes. Where tensors of that size hold less than
+# SWAP_MIN_COVER of the bytes the backward pass reads (a transformer at a
+# small batch), the threshold comes down until they do, never below
+# SWAP_MIN_FLOOR_BYTES: a fixed threshold would leave such a network
+# unswapped however much its small tensors add up to. Where they already
+# do, smaller tensors are left alone: swapping them too can plan higher
+# (their swap-ins crowd the backward pass).
+SWAP_MIN_BYTES = 1 << 20
+SWAP_MIN_COVER = 0.9
+SWAP_MIN_FLOOR_BYTES = 64 << 10
 # Host link bandwidth of a graph placed on a GPU: PCIe 4.0 x16, sustained.
 # On CPU a swap is a host memcpy at the cost model's memory bandwidth. A
 # constant, never a rate measured at run time, so that the same graph gets

@@ -37,6 +37,7 @@ from sntf.planner.backward import backward_read_tensors, tensor_name
 from sntf.planner.context import Context
 from sntf.planner.order import plan_sequence
 from sntf.planner.plan import KEEP, Plan, acting, identity_plan, keep
+from sntf.planner.swap import default_min_bytes
 
 OFF_NOTE = "policy 'off': graph left as TensorFlow built it"
 
@@ -95,7 +96,20 @@ class Stage:
             if self.kind == "recompute":
                 return modes.recompute(base, ctx)
             plan = budget_planning.swap_stage(base, ctx, ctx.budget)
-            return plan, ctx.evaluate(plan, base)
+            planned = ctx.evaluate(plan, base)
+            if (ctx.swap_min_bytes is not None or default_min_bytes(base.index, base.facts)
+                    >= heuristics.SWAP_MIN_BYTES):
+                return plan, planned
+            # The threshold came down for a network of small tensors; the
+            # swap-ins of more, smaller tensors can crowd the backward pass
+            # and plan higher, so the usual threshold's plan is tried too.
+            fixed = dataclasses.replace(ctx, swap_min_bytes=heuristics.SWAP_MIN_BYTES)
+            usual = budget_planning.swap_stage(base, fixed, ctx.budget)
+            usual_planned = ctx.evaluate(usual, base)
+            if usual_planned is not None and (planned is None
+                                              or usual_planned.peak <= planned.peak):
+                return usual, usual_planned
+            return plan, planned
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,7 +49,7 @@ def tensor_properties(index, props: dict) -> tuple[dict, dict]:
     return dtypes, shapes
 
 
-def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
+def plan_swap(g, facts, dtypes: dict, min_bytes: Optional[int], bandwidth: float,
               protected: frozenset = frozenset(), shapes: Optional[dict] = None,
               workspace_pairs: bool = True) -> Plan:
     """Superneurons' unified tensor pool: offload, then prefetch.
@@ -66,7 +66,7 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
       g: the graph index (sntf.graph.GraphIndex).
       facts: the analysis of g (sntf.analysis.Analysis).
       dtypes: (node, port) -> DataType enum of each tensor.
-      min_bytes: smaller tensors are never swapped.
+      min_bytes: smaller tensors are never swapped; None: default_min_bytes.
       bandwidth: host link bandwidth in bytes per second.
       protected: node indices that must stay as they are (fetch, preserve).
       shapes: (node, port) -> static shape, recorded for the cache ops'
@@ -85,6 +85,8 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
     region = regions.region
     if bandwidth <= 0:
         raise ValueError(f"bandwidth must be positive, got {bandwidth!r}")
+    if min_bytes is None:
+        min_bytes = default_min_bytes(g, facts)
     setting = _Setting(
         g=g, facts=facts, dtypes=dtypes, shapes=shapes or {}, min_bytes=min_bytes,
         bandwidth=bandwidth, protected=protected, region=region,
@@ -109,6 +111,30 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: int, bandwidth: float,
              *early_note, *control_flow_note(regions))
     return Plan(policy="swap", decisions=tuple(decisions) + tuple(keeps), notes=notes,
                 swaps=tuple(recipes))
+
+
+def default_min_bytes(g, facts) -> int:
+    """The swap threshold when the user sets none (see
+    heuristics.SWAP_MIN_BYTES).
+
+    Args:
+      g, facts: the graph index and its analysis.
+
+    Returns:
+      heuristics.SWAP_MIN_BYTES, or less where buffers of that size hold
+      less than SWAP_MIN_COVER of the bytes the backward pass reads: the
+      size of the smallest buffer among the largest that hold that share,
+      but at least SWAP_MIN_FLOOR_BYTES.
+    """
+    sizes = sorted((facts.buffer_bytes.get(buffer, 0)
+                    for buffer in backward_read_by_buffer(g, facts)), reverse=True)
+    wanted, held = heuristics.SWAP_MIN_COVER * sum(sizes), 0
+    for size in sizes:
+        held += size
+        if held >= wanted:
+            return min(heuristics.SWAP_MIN_BYTES,
+                       max(heuristics.SWAP_MIN_FLOOR_BYTES, size))
+    return heuristics.SWAP_MIN_BYTES
 
 
 def _serves_early_readers(g, recipes) -> bool:
