@@ -41,7 +41,7 @@ SWAP_WINDOW_TRANSFERS = 4.0
 # do, smaller tensors are left alone: swapping them too can plan higher
 # (their swap-ins crowd the backward pass).
 SWAP_MIN_BYTES = 1 << 20
-SWAP_MIN_COVER = 0.9
+SWAP_MIN_COVER = 0.75
 SWAP_MIN_FLOOR_BYTES = 64 << 10
 # Host link bandwidth of a graph placed on a GPU: PCIe 4.0 x16, sustained.
 # On CPU a swap is a host memcpy at the cost model's memory bandwidth. A
@@ -55,6 +55,9 @@ PCIE4_X16_BYTES_PER_SECOND = 25e9
 # that make a peak. A lower share chains more ops and leaves the executor
 # less to run side by side.
 SEQUENCE_PEAK_SHARE = 0.01
+# The share of the planned peak by which the chained graph's predicted
+# peak may exceed the unchained one's and still be applied.
+SEQUENCE_RISE_SHARE = 0.05
 # ...and never less than this many bytes.
 SEQUENCE_MIN_BYTES = 64 << 10
 
