@@ -55,11 +55,12 @@ PCIE4_X16_BYTES_PER_SECOND = 25e9
 # that make a peak. A lower share chains more ops and leaves the executor
 # less to run side by side.
 SEQUENCE_PEAK_SHARE = 0.01
-# The share of the planned peak by which the chained graph's predicted
-# peak may exceed the unchained one's and still be applied.
-SEQUENCE_RISE_SHARE = 0.05
 # ...and never less than this many bytes.
 SEQUENCE_MIN_BYTES = 64 << 10
+# The chained graph is applied when its predicted peak exceeds the
+# unchained one's by at most this share of the planned peak: the unchained
+# peak is that of one order, which the inter-op pool does not keep.
+SEQUENCE_RISE_SHARE = 0.05
 
 # ---------------------------------------------------------------- budgets
 # The budget search (sntf.planner.search): small graphs evaluate quickly
