@@ -11,6 +11,8 @@ from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder, properties_fn
 from sntf import analysis, config, passes, planner, rewrite
 from sntf.graph import names
 from sntf.planner import budget as budget_planning
+from sntf.planner import heuristics
+from sntf.planner.swap import default_min_bytes
 from sntf import graph as G
 
 from sntf.testing.workers import measure_peak  # noqa: E402
@@ -53,6 +55,23 @@ def dense_step(width=MIB // 4):
         else:
             props[node.name] = [(DT_FLOAT, (16,))]
     return b.build(), props
+
+
+def planned_swaps(g, props, min_bytes=MIB):
+    """(index, analysis, swap plan) of a hand-built step."""
+    idx = G.build_index(g, ["ret"])
+    facts = analysis.analyze(idx, props)
+    dtypes = {(idx.node(n), p): o[0] for n, outs in props.items()
+              for p, o in enumerate(outs)}
+    return idx, facts, planner.plan_swap(idx, facts, dtypes, min_bytes, 1e9,
+                                         frozenset(idx.fetch))
+
+
+def rewritten_peak(g, props, plan) -> int:
+    """The predicted peak of the step with the plan applied."""
+    out = rewrite.apply_plan(g, plan).graph_def
+    new_idx = G.build_index(out, ["ret"])
+    return analysis.analyze(new_idx, analysis.with_generated(props, new_idx)).predicted_peak_bytes
 
 
 def swap_plan(min_bytes=MIB, bandwidth=1e9):
@@ -194,16 +213,9 @@ def test_a_tensor_the_backward_pass_reads_through_a_view_is_swapped():
             node.input[0] = "h1_view"
     props["h1_view"] = props["h1"]
     props["h1_shape"] = [(DT_INT32, (1,))]
-    idx = G.build_index(g, ["ret"])
-    facts = analysis.analyze(idx, props)
-    dtypes = {(idx.node(n), p): o[0] for n, outs in props.items()
-              for p, o in enumerate(outs)}
-    plan = planner.plan_swap(idx, facts, dtypes, MIB, 1e9, frozenset(idx.fetch))
+    _, facts, plan = planned_swaps(g, props)
     assert [s.tensor for s in plan.swaps] == ["h1_view:0"], plan.decisions
-    out = rewrite.apply_plan(g, plan).graph_def
-    new_idx = G.build_index(out, ["ret"])
-    new_facts = analysis.analyze(new_idx, analysis.with_generated(props, new_idx))
-    assert new_facts.predicted_peak_bytes < facts.predicted_peak_bytes
+    assert rewritten_peak(g, props, plan) < facts.predicted_peak_bytes
 
 
 def test_a_tensor_whose_buffer_another_tensor_lends_to_a_shape_op_is_swapped():
@@ -225,18 +237,11 @@ def test_a_tensor_whose_buffer_another_tensor_lends_to_a_shape_op_is_swapped():
             node.input[0] = "grad/h1_shaped"
     props["grad/h1_pre_shape"] = [(DT_INT32, (1,))]
     props["grad/h1_shaped"] = props["grad/h1"]
-    idx = G.build_index(g, ["ret"])
-    facts = analysis.analyze(idx, props)
+    idx, facts, plan = planned_swaps(g, props)
     assert facts.node_phases[idx.node("grad/h1_pre_shape")] == G.BACKWARD
     assert facts.buffer_of((idx.node("h1"), 0)) == (idx.node("h1_pre"), 0)
-    dtypes = {(idx.node(n), p): o[0] for n, outs in props.items()
-              for p, o in enumerate(outs)}
-    plan = planner.plan_swap(idx, facts, dtypes, MIB, 1e9, frozenset(idx.fetch))
     assert [s.tensor for s in plan.swaps] == ["h1:0"], plan.decisions
-    out = rewrite.apply_plan(g, plan).graph_def
-    new_idx = G.build_index(out, ["ret"])
-    new_facts = analysis.analyze(new_idx, analysis.with_generated(props, new_idx))
-    assert new_facts.predicted_peak_bytes < facts.predicted_peak_bytes
+    assert rewritten_peak(g, props, plan) < facts.predicted_peak_bytes
 
 
 def test_the_default_threshold_comes_down_where_small_tensors_hold_the_bytes():
@@ -245,17 +250,11 @@ def test_the_default_threshold_comes_down_where_small_tensors_hold_the_bytes():
     threshold comes down until the tensors above it hold most of the bytes
     the backward pass reads. Before, 1 MiB was fixed, and a ViT kept every
     activation. Where large tensors hold those bytes, it stays at 1 MiB."""
-    from sntf.planner import heuristics
-    from sntf.planner.swap import default_min_bytes
     for width, expected in ((MIB // 16, MIB // 4), (MIB // 4, MIB)):
         g, props = dense_step(width)
-        idx = G.build_index(g, ["ret"])
-        facts = analysis.analyze(idx, props)
+        idx, facts, fixed = planned_swaps(g, props, MIB)
         assert default_min_bytes(idx, facts) == min(heuristics.SWAP_MIN_BYTES, expected)
-        dtypes = {(idx.node(n), p): o[0] for n, outs in props.items()
-                  for p, o in enumerate(outs)}
-        fixed = planner.plan_swap(idx, facts, dtypes, MIB, 1e9, frozenset(idx.fetch))
-        default = planner.plan_swap(idx, facts, dtypes, None, 1e9, frozenset(idx.fetch))
+        _, _, default = planned_swaps(g, props, None)
         assert [s.tensor for s in default.swaps] == ["h1:0"], default.decisions
         assert [s.tensor for s in fixed.swaps] == ([] if width < MIB // 4 else ["h1:0"])
 
