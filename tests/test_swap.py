@@ -12,6 +12,7 @@ from sntf import analysis, config, passes, planner, rewrite
 from sntf.graph import names
 from sntf.planner import budget as budget_planning
 from sntf.planner import heuristics
+from sntf.planner.backward import backward_read_by_buffer
 from sntf.planner.swap import default_min_bytes
 from sntf import graph as G
 
@@ -253,7 +254,8 @@ def test_the_default_threshold_comes_down_where_small_tensors_hold_the_bytes():
     for width, expected in ((MIB // 16, MIB // 4), (MIB // 4, MIB)):
         g, props = dense_step(width)
         idx, facts, fixed = planned_swaps(g, props, MIB)
-        assert default_min_bytes(idx, facts) == min(heuristics.SWAP_MIN_BYTES, expected)
+        assert (default_min_bytes(facts, backward_read_by_buffer(idx, facts))
+                == min(heuristics.SWAP_MIN_BYTES, expected))
         _, _, default = planned_swaps(g, props, None)
         assert [s.tensor for s in default.swaps] == ["h1:0"], default.decisions
         assert [s.tensor for s in fixed.swaps] == ([] if width < MIB // 4 else ["h1:0"])

@@ -33,7 +33,7 @@ from typing import Optional
 from sntf.graph.fusions import merge_members
 from sntf.planner import budget as budget_planning
 from sntf.planner import heuristics, modes
-from sntf.planner.backward import backward_read_tensors, tensor_name
+from sntf.planner.backward import backward_read_by_buffer, backward_read_tensors, tensor_name
 from sntf.planner.context import Context
 from sntf.planner.order import plan_sequence
 from sntf.planner.plan import KEEP, Plan, acting, identity_plan, keep
@@ -95,21 +95,25 @@ class Stage:
         with ctx.timed(f"plan_{self.kind}"):
             if self.kind == "recompute":
                 return modes.recompute(base, ctx)
-            plan = budget_planning.swap_stage(base, ctx, ctx.budget)
-            planned = ctx.evaluate(plan, base)
-            if (ctx.swap_min_bytes is not None or default_min_bytes(base.index, base.facts)
-                    >= heuristics.SWAP_MIN_BYTES):
-                return plan, planned
-            # The threshold came down for a network of small tensors; the
-            # swap-ins of more, smaller tensors can crowd the backward pass
-            # and plan higher, so the usual threshold's plan is tried too.
-            fixed = dataclasses.replace(ctx, swap_min_bytes=heuristics.SWAP_MIN_BYTES)
-            usual = budget_planning.swap_stage(base, fixed, ctx.budget)
-            usual_planned = ctx.evaluate(usual, base)
-            if usual_planned is not None and (planned is None
-                                              or usual_planned.peak <= planned.peak):
-                return usual, usual_planned
-            return plan, planned
+            threshold = ctx.swap_min_bytes
+            if threshold is None:
+                threshold = default_min_bytes(
+                    base.facts, backward_read_by_buffer(base.index, base.facts))
+            # Where the default came down for a network of small tensors,
+            # the usual threshold's plan is tried too: the swap-ins of more,
+            # smaller tensors can crowd the backward pass and plan higher.
+            tried = [threshold]
+            if ctx.swap_min_bytes is None and threshold < heuristics.SWAP_MIN_BYTES:
+                tried.append(heuristics.SWAP_MIN_BYTES)
+            best = None
+            for min_bytes in reversed(tried):   # the usual threshold wins a tie
+                plan = budget_planning.swap_stage(
+                    base, dataclasses.replace(ctx, swap_min_bytes=min_bytes), ctx.budget)
+                planned = ctx.evaluate(plan, base)
+                if best is None or (planned is not None and (
+                        best[1] is None or planned.peak < best[1].peak)):
+                    best = (plan, planned)
+            return best
 
 
 @dataclasses.dataclass(frozen=True)

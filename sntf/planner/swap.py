@@ -85,15 +85,16 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: Optional[int], bandwidth: float
     region = regions.region
     if bandwidth <= 0:
         raise ValueError(f"bandwidth must be positive, got {bandwidth!r}")
+    backward_read = backward_read_by_buffer(g, facts)
     if min_bytes is None:
-        min_bytes = default_min_bytes(g, facts)
+        min_bytes = default_min_bytes(facts, backward_read)
     setting = _Setting(
         g=g, facts=facts, dtypes=dtypes, shapes=shapes or {}, min_bytes=min_bytes,
         bandwidth=bandwidth, protected=protected, region=region,
         workspace_pairs=workspace_pairs,
         step_of={node: s for s, node in enumerate(facts.schedule)},
         elapsed=list(itertools.accumulate(facts.step_seconds, initial=0.0)),
-        backward_read=backward_read_by_buffer(g, facts))
+        backward_read=backward_read)
     # A loop's back edges make any graph cyclic to edges_acyclic.
     follow_early = not g.has_cycles
     decisions, recipes, keeps = _plan_tensors(setting, follow_early)
@@ -113,12 +114,13 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: Optional[int], bandwidth: float
                 swaps=tuple(recipes))
 
 
-def default_min_bytes(g, facts) -> int:
+def default_min_bytes(facts, backward_read: dict) -> int:
     """The swap threshold when the user sets none (see
     heuristics.SWAP_MIN_BYTES).
 
     Args:
-      g, facts: the graph index and its analysis.
+      facts: the graph's analysis.
+      backward_read: backward_read_by_buffer of the graph.
 
     Returns:
       heuristics.SWAP_MIN_BYTES, or less where buffers of that size hold
@@ -126,8 +128,8 @@ def default_min_bytes(g, facts) -> int:
       size of the smallest buffer among the largest that hold that share,
       but at least SWAP_MIN_FLOOR_BYTES.
     """
-    sizes = sorted((facts.buffer_bytes.get(buffer, 0)
-                    for buffer in backward_read_by_buffer(g, facts)), reverse=True)
+    sizes = sorted((facts.buffer_bytes.get(buffer, 0) for buffer in backward_read),
+                   reverse=True)
     wanted, held = heuristics.SWAP_MIN_COVER * sum(sizes), 0
     for size in sizes:
         held += size
