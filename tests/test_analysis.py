@@ -78,6 +78,40 @@ def test_diamond_keeps_the_fork_alive_until_its_last_reader():
     assert a.lower_bound_bytes == 3328 and a.lower_bound_step == 4
 
 
+def test_a_bias_gradient_onednn_merges_runs_with_its_filter_gradient():
+    # Output gradient dy read by the bias gradient, the input gradient,
+    # whose chain goes on down (three expensive ops), and the filter
+    # gradient: the executor runs the last of the three first.
+    b = GraphBuilder()
+    (b.arg("x").arg("f").arg("sizes").arg("y")
+     .op("Shape", "fshape", ["f"], T=DT_FLOAT)
+     .op("Relu", "dy", ["y"], T=DT_FLOAT)
+     .op("BiasAddGrad", "dbias", ["dy"], T=DT_FLOAT)
+     .op("Conv2DBackpropInput", "dx", ["sizes", "f", "dy"], T=DT_FLOAT)
+     .op("Conv2DBackpropFilter", "dfilter", ["x", "fshape", "dy"], T=DT_FLOAT)
+     .op("MaxPool", "p1", ["dx"]).op("MaxPool", "p2", ["p1"]).op("MaxPool", "p3", ["p2"])
+     .retval("r1", "p3").retval("r2", "dfilter").retval("r3", "dbias"))
+    g = b.build()
+    props = {"x": f32(256), "f": f32(64), "sizes": [(3, (4,))], "y": f32(1024),
+             "dy": f32(1024),
+             "fshape": [(3, (4,))], "dfilter": f32(64), "dbias": f32(64),
+             "dx": f32(256), "p1": f32(256), "p2": f32(256), "p3": f32(256)}
+    idx = G.build_index(g)
+    alone = analysis.analyze(idx, props, onednn=False)
+    merged = analysis.analyze(idx, props, onednn=True)
+    names = lambda a: [idx.names[i] for i in a.schedule]
+    # Alone, the executor defers the bias gradient behind the input
+    # gradient's chain, and dy lives until it runs.
+    assert names(alone).index("dbias") > names(alone).index("p3")
+    # oneDNN's pass merges it into the filter gradient's kernel: it runs
+    # there, and dy dies at the input gradient.
+    order = names(merged)
+    assert order.index("dbias") == order.index("dfilter") + 1
+    assert order.index("dx") < order.index("p1")
+    assert interval(merged, g, "dy")[1] == order.index("dx")
+    assert merged.predicted_peak_bytes < alone.predicted_peak_bytes
+
+
 def test_skip_connection_add_reuses_the_skip_buffer():
     g = (GraphBuilder().arg("x").op("MaxPool", "a", ["x"])
          .op("MaxPool", "b", ["a"]).op("MaxPool", "c", ["b"])

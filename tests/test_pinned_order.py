@@ -43,7 +43,7 @@ def _peaks(monkeypatch, graph_def, props, seeds) -> list:
     peaks = []
     for seed in seeds:
         monkeypatch.setattr(memory, "schedule",
-                            lambda g, consumers_last_first=False: _random_order(g, seed))
+                            lambda g, **_: _random_order(g, seed))
         peaks.append(analyzed(graph_def, FETCH, props).facts.predicted_peak_bytes)
     monkeypatch.undo()
     return peaks

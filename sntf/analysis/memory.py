@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 from typing import Mapping, Optional
 
 from sntf.analysis import bfc
@@ -27,6 +28,7 @@ from sntf.analysis.schedule import schedule
 from sntf.analysis.shapes import (Properties, SymbolicSize, concrete,
                                   resolve_symbolic_dims, rounded, shape_of, tensor_size)
 from sntf.graph import optable
+from sntf.graph.fusions import merged_kernels
 from sntf.graph.index import GraphIndex
 from sntf.graph.phases import BACKWARD, FORWARD, classify_phases
 from sntf.graph.training import handle_root
@@ -158,10 +160,8 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
       The Analysis.
     """
     if threads is None:
-        import os
-
         threads = os.cpu_count() or 1
-    order = schedule(g)
+    order = schedule(g, merged=merged_kernels(g) if onednn else None)
     phases = classify_phases(g)
     properties = resolve_symbolic_dims(g, properties)
     sizes, unknown = _sizes(g, properties, batch)

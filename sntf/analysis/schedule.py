@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import collections
+from typing import Mapping, Optional
 
 from sntf.graph import optable
 from sntf.graph.index import GraphIndex
 
 
-def schedule(g: GraphIndex, consumers_last_first: bool = False) -> tuple[int, ...]:
+def schedule(g: GraphIndex, consumers_last_first: bool = False,
+             merged: Optional[Mapping[int, int]] = None) -> tuple[int, ...]:
     """The order TensorFlow's executor runs a step, with one inter-op thread.
 
     Emulates ExecutorState::ScheduleReady on a one-thread pool. A completed
@@ -28,6 +30,11 @@ def schedule(g: GraphIndex, consumers_last_first: bool = False) -> tuple[int, ..
       consumers_last_first: take each node's data consumers last-added
         first instead (not the executor's order; the recompute planner
         also tries release points picked on it).
+      merged: node -> the node oneDNN's graph pass merges into its kernel
+        (sntf.graph.fusions; None: the pass does not run). The merged node
+        runs with the kernel when it is ready by then: a bias gradient
+        merged into its filter gradient runs there, not where the executor
+        would have deferred it alone.
 
     Returns:
       Node indices in execution order (all nodes; cycles broken in index order).
@@ -39,30 +46,34 @@ def schedule(g: GraphIndex, consumers_last_first: bool = False) -> tuple[int, ..
         preds = [p for p, _ in g.data_inputs[i]] + list(g.control_inputs[i])
         pending[i] = sum(1 for p in preds if p not in back_edge)
     pool = collections.deque(i for i in range(n) if pending[i] == 0)
-    order = []
+    merged = merged or {}
+    absorber = {second: first for first, second in merged.items()}
+    order, ran = [], set()
     while pool:
         inline = collections.deque([pool.popleft()])
         while inline:
             i = inline.popleft()
-            order.append(i)
-            if i in back_edge:
-                continue
+            if i in ran:
+                continue   # a root that ran in its partner's kernel
+            group = [i]
+            partner = merged.get(i)
+            if partner is not None and partner not in ran and pending[partner] == 0:
+                group.append(partner)   # one kernel computes both
+            ran.update(group)
+            order.extend(group)
             current, deferred = None, []
-            # Data consumers in graph order, then control consumers: the
-            # order of the executor's out-edge lists.
-            data = [c for c, _, _ in g.consumers[i]]
-            if consumers_last_first:
-                data.reverse()
-            for c in data + list(g.control_consumers[i]):
-                pending[c] -= 1
-                if pending[c] != 0:
+            for node in group:
+                if node in back_edge:
                     continue
-                if g.ops[c] in optable.INEXPENSIVE_OPS:
-                    inline.append(c)
-                    continue
-                if current is not None:
-                    deferred.append(current)
-                current = c
+                for c in _ready(g, node, pending, consumers_last_first):
+                    if c in ran or (c in absorber and absorber[c] not in ran):
+                        continue   # runs (or ran) in its partner's kernel
+                    if g.ops[c] in optable.INEXPENSIVE_OPS:
+                        inline.append(c)
+                        continue
+                    if current is not None:
+                        deferred.append(current)
+                    current = c
             if current is not None:
                 if inline:
                     deferred.append(current)
@@ -73,3 +84,18 @@ def schedule(g: GraphIndex, consumers_last_first: bool = False) -> tuple[int, ..
         seen = set(order)
         order.extend(i for i in range(n) if i not in seen)
     return tuple(order)
+
+
+def _ready(g: GraphIndex, node: int, pending: list, last_first: bool) -> list:
+    """The consumers of `node` it leaves with no pending input, in the order
+    of the executor's out-edge lists: data consumers in graph order (or
+    last-added first), then control consumers."""
+    data = [c for c, _, _ in g.consumers[node]]
+    if last_first:
+        data.reverse()
+    ready = []
+    for c in data + list(g.control_consumers[node]):
+        pending[c] -= 1
+        if pending[c] == 0:
+            ready.append(c)
+    return ready

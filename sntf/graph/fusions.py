@@ -92,3 +92,9 @@ def merge_members(g) -> dict:
     for pair in merge_pairs(g):
         members[pair.first] = members[pair.second] = pair
     return members
+
+
+def merged_kernels(g) -> dict:
+    """Node index -> the node oneDNN's pass merges into its kernel (the
+    executor then runs the two as one; analysis.schedule)."""
+    return {pair.first: pair.second for pair in merge_pairs(g)}
