@@ -333,3 +333,42 @@ def test_one_inter_op_thread_leaves_the_order_to_the_executor():
 
     assert notes(None) and notes(4)
     assert notes(1) == []
+
+
+def _deferred_filter_gradient(filter_last: bool):
+    """A convolution's output gradient dy read by its filter gradient W and
+    its input gradient I, whose chain goes on down (three expensive ops).
+    The executor runs the last-created of W and I first and defers the
+    other: with filter_last False, W waits behind I's whole chain, holding
+    dy and x."""
+    conv = dict(T=DT_FLOAT, strides=[1, 1, 1, 1], padding="SAME")
+    b = GraphBuilder().arg("x0").arg("k").arg("fsizes").arg("isizes").arg("y")
+    b.op("Relu", "x", ["x0"], T=DT_FLOAT).op("Relu", "dy", ["y"], T=DT_FLOAT)
+    grads = [("W", "Conv2DBackpropFilter", ["x", "fsizes", "dy"]),
+             ("I", "Conv2DBackpropInput", ["isizes", "k", "dy"])]
+    for name, op, inputs in (grads[::-1] if filter_last else grads):
+        b.op(op, name, inputs, **conv)
+    b.op("MaxPool", "p1", ["I"]).op("MaxPool", "p2", ["p1"]).op("MaxPool", "p3", ["p2"])
+    g = b.retval("r0", "W").retval("r1", "p3").build()
+    props = {n: [(DT_FLOAT, (1024,))] for n in ("x0", "y", "x", "dy", "I", "p1", "p2", "p3")}
+    props.update({"k": [(DT_FLOAT, (64,))], "W": [(DT_FLOAT, (64,))],
+                  "fsizes": [(3, (4,))], "isizes": [(3, (4,))]})
+    return analyzed(g, ["r0", "r1"], props)
+
+
+def test_a_rewritten_graph_runs_weight_gradients_first_where_that_plans_lower():
+    from sntf.planner import policies
+
+    ctx = context()
+    plan = planner.Plan(policy="swap")
+    deferred = _deferred_filter_gradient(filter_last=False)
+    got = policies._gradients_first(policies.Outcome(plan, planned=deferred), ctx)
+    assert [(o.before, o.after) for o in got.plan.orders] == [("W", "I")]
+    assert got.planned.peak < deferred.peak
+    assert "weight gradient(s) run before the input gradient" in got.plan.notes[-1]
+    # W already runs first: the edge plans no lower and is left out.
+    first = _deferred_filter_gradient(filter_last=True)
+    kept = policies._gradients_first(policies.Outcome(plan, planned=first), ctx)
+    assert kept.plan.orders == () and kept.planned is first
+    # Nothing rewritten: nothing to order.
+    assert policies._gradients_first(policies.Outcome(plan), ctx).plan is plan

@@ -35,7 +35,7 @@ from sntf.planner import budget as budget_planning
 from sntf.planner import heuristics, modes
 from sntf.planner.backward import backward_read_by_buffer, backward_read_tensors, tensor_name
 from sntf.planner.context import Context
-from sntf.planner.order import plan_sequence
+from sntf.planner.order import plan_gradient_order, plan_sequence
 from sntf.planner.plan import KEEP, Plan, acting, identity_plan, keep
 from sntf.planner.swap import default_min_bytes
 
@@ -226,9 +226,41 @@ def plan(policy: str, base, ctx: Context, name: str = "") -> Outcome:
                                    "policy 'off'"))
     if isinstance(composition, FitBudget):
         if ctx.budget is not None:
-            return _pinned(_fitted(base, ctx, name), base, ctx)
+            return _pinned(_gradients_first(_fitted(base, ctx, name), ctx), base, ctx)
         composition = composition.fallback
-    return _pinned(_composed(policy, composition, base, ctx), base, ctx)
+    return _pinned(_gradients_first(_composed(policy, composition, base, ctx), ctx),
+                   base, ctx)
+
+
+def _gradients_first(outcome: Outcome, ctx: Context) -> Outcome:
+    """The outcome with each weight gradient ordered before the input
+    gradient of the same output gradient (order.plan_gradient_order), where
+    the rewritten graph then plans lower.
+
+    A rewrite makes the executor defer weight gradients: a filter gradient
+    whose input is swapped in, or recomputed, is ready only after the input
+    gradient it shares an output gradient with, and the executor defers it
+    behind that chain; both its tensors then stay alive down the network."""
+    planned = outcome.planned
+    if planned is None:
+        return outcome
+    with ctx.timed("plan_order"):
+        try:
+            taken = {(o.before, o.after) for o in outcome.plan.orders}
+            orders = tuple(o for o in plan_gradient_order(planned.index)
+                           if (o.before, o.after) not in taken)
+            ordered = (ctx.evaluate(Plan(policy=outcome.plan.policy, orders=orders),
+                                    planned) if orders else None)
+        except Exception as e:  # noqa: BLE001 - an optional stage never fails a plan
+            return _noted(outcome, f"order: gradient edges not applied: "
+                                   f"{type(e).__name__}: {e}")
+    if ordered is None or ordered.peak >= planned.peak:
+        return outcome
+    plan = outcome.plan
+    plan = dataclasses.replace(plan, orders=plan.orders + orders, notes=plan.notes + (
+        f"order: {len(orders)} weight gradient(s) run before the input gradient of "
+        f"the same output gradient ({planned.peak} -> {ordered.peak} bytes)",))
+    return dataclasses.replace(outcome, plan=plan, planned=ordered)
 
 
 def _composed(policy: str, composition, base, ctx: Context) -> Outcome:
