@@ -372,3 +372,18 @@ def test_a_rewritten_graph_runs_weight_gradients_first_where_that_plans_lower():
     assert kept.plan.orders == () and kept.planned is first
     # Nothing rewritten: nothing to order.
     assert policies._gradients_first(policies.Outcome(plan), ctx).plan is plan
+
+
+def test_a_stage_timed_twice_reports_both_times(monkeypatch):
+    # The gradient edges and the pinned order are both timed as
+    # "plan_order": the report gives their sum, not the last one's time.
+    from sntf.planner import context as planning
+
+    clock = iter([0.0, 1.0, 10.0, 12.5])
+    monkeypatch.setattr(planning.time, "perf_counter", lambda: next(clock))
+    seconds = {}
+    ctx = context(stage_seconds=seconds)
+    for _ in range(2):
+        with ctx.timed("plan_order"):
+            pass
+    assert seconds == {"plan_order": 3.5}

@@ -63,7 +63,8 @@ class Context:
             yield
         finally:
             if self.stage_seconds is not None:
-                self.stage_seconds[stage] = time.perf_counter() - start
+                self.stage_seconds[stage] = (self.stage_seconds.get(stage, 0.0)
+                                             + time.perf_counter() - start)
 
 
 def protected(index) -> frozenset:
