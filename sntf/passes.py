@@ -257,6 +257,7 @@ def _context(state: config.State, env: Environment, budget: Optional[int], index
         outside_bytes=report.get("outside_bytes") or 0,
         budget_margin=state.options.budget_margin,
         budget_behaviour=state.options.budget_behaviour,
+        min_gain=state.options.min_gain,
         stage_seconds=report["stage_seconds"],
         # One inter-op thread runs the step in one order already; holding
         # the analysis' emulation of it to the letter measured higher

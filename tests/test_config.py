@@ -406,6 +406,19 @@ def test_budget_margin_rejected(value):
                                   f"got {value!r}")
 
 
+@pytest.mark.parametrize("value", [0, 0.0, 0.05, 0.5, 0.99])
+def test_min_gain_accepted(value):
+    assert config.parse_options({"min_gain": value}).min_gain == value
+
+
+@pytest.mark.parametrize("value", [-0.01, 1, 1.5, float("nan"), "5%", True, None])
+def test_min_gain_rejected(value):
+    with pytest.raises(ValueError) as excinfo:
+        config.parse_options({"min_gain": value})
+    assert str(excinfo.value) == ("sntf: min_gain must be a number in [0, 1), "
+                                  f"got {value!r}")
+
+
 def test_cpu_device_memory_is_ram():
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     from sntf.runtime import environment
@@ -429,7 +442,7 @@ def test_option_names():
                                    "host_pool_limit", "max_reports", "keep_graphs",
                                    "recompute_mode", "swap_min_bytes",
                                    "link_bandwidth", "budget_behaviour",
-                                   "budget_margin", "pin_order")
+                                   "budget_margin", "min_gain", "pin_order")
 
 
 def test_parse_options_values():
@@ -473,7 +486,7 @@ def test_parse_options_unknown_key():
         "sntf.enable() got unknown option(s) ['alpha', 'zeta']; accepted "
         "options: identity_rewrite, batch_size, host_pool_limit, max_reports, "
         "keep_graphs, recompute_mode, swap_min_bytes, link_bandwidth, "
-        "budget_behaviour, budget_margin, pin_order")
+        "budget_behaviour, budget_margin, min_gain, pin_order")
 
 
 @pytest.mark.parametrize("options, fragment", [

@@ -338,7 +338,8 @@ def test_host_pool_limit_below_a_swapped_tensor_falls_back_and_trains(
     run = fresh_python(_script(f"""
         import dataclasses
         import sntf
-        sntf.enable(policy={policy!r}, swap_min_bytes=0, host_pool_limit=4096){budget}
+        sntf.enable(policy={policy!r}, swap_min_bytes=0, host_pool_limit=4096,
+                    min_gain=0.0){budget}
         result = train()
         print("RESULT " + json.dumps({{"result": result, "swapped": swapped(sntf),
                                       "swap": sntf.stats()["swap"]}}))

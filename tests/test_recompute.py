@@ -598,3 +598,22 @@ def test_order_edges_that_close_a_cycle_together_are_not_both_taken():
     n = {name: i for i, name in enumerate(g.names)}
     edges = order._new_orders(g, [(n["b"], n["c"]), (n["d"], n["a"]), (n["a"], n["d"])])
     assert [(e.before, e.after) for e in edges] == [("b", "c"), ("a", "d")]
+
+
+@pytest.mark.parametrize("widths,batch,applied", [
+    ((512, 512, 512), 64, False),        # plans 2.9% lower: within the error
+    ((512, 512, 512, 512), 256, True),   # plans 17.6% lower
+])
+def test_a_plan_within_the_analysis_error_is_not_applied(widths, batch, applied):
+    graph_def, props = mlp_step(widths, batch)
+    base = analyzed(graph_def, ["ret"], props)
+    outcome = planner.plan("recompute", base, context())
+    if applied:
+        assert outcome.planned is not None and outcome.plan.changes_graph
+        assert outcome.planned.peak < 0.95 * base.peak
+        return
+    assert outcome.planned is None and not outcome.plan.changes_graph
+    assert "would not fall by 5%" in outcome.plan.notes[-1], outcome.plan.notes
+    # The tensors the rejected plan moved are kept, each with the reason.
+    reasons = [d.reason for d in outcome.plan.decisions]
+    assert any("would not fall by 5%" in r for r in reasons), reasons

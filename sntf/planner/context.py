@@ -37,6 +37,8 @@ class Context:
       outside_bytes: device bytes held outside the graph (budgets only).
       budget_margin: share of the budget held back for the analysis' error.
       budget_behaviour: "best_effort" or "unchanged" when no plan fits.
+      min_gain: without a budget, the least share of the planned peak a
+        rewritten graph must save to be applied.
       stage_seconds: where the wall time of each planning stage is added
         (the report's field), or None.
       pin_order: chain a rewritten graph's memory-heavy ops in the planned
@@ -52,6 +54,7 @@ class Context:
     outside_bytes: int = 0
     budget_margin: float = 0.10
     budget_behaviour: str = "best_effort"
+    min_gain: float = 0.05
     stage_seconds: Optional[dict] = None
     pin_order: bool = True
 

@@ -228,8 +228,29 @@ def plan(policy: str, base, ctx: Context, name: str = "") -> Outcome:
         if ctx.budget is not None:
             return _pinned(_gradients_first(_fitted(base, ctx, name), ctx), base, ctx)
         composition = composition.fallback
-    return _pinned(_gradients_first(_composed(policy, composition, base, ctx), ctx),
-                   base, ctx)
+    return _standing(_pinned(_gradients_first(
+        _composed(policy, composition, base, ctx), ctx), base, ctx), base, ctx, policy)
+
+
+def _standing(outcome: Outcome, base, ctx: Context, policy: str) -> Outcome:
+    """The outcome, or, without a budget, the graph unchanged where the
+    rewritten graph plans less than ctx.min_gain below the original: a gain
+    the analysis cannot stand behind is not worth the rewrite's time, nor
+    the risk of a measured peak above TensorFlow's own. Under a budget every
+    byte the plan saves counts toward it."""
+    planned = outcome.planned
+    if planned is None or ctx.budget is not None:
+        return outcome
+    floor = int(base.peak * (1.0 - ctx.min_gain))
+    if planned.peak <= floor:
+        return outcome
+    note = (f"policy {policy!r}: not applied: the planned peak would not fall by "
+            f"{ctx.min_gain * 100:g}% ({base.peak} -> {planned.peak} bytes), within "
+            f"the analysis' error (option min_gain)")
+    kept = {d.tensor: [note] for d in acting(outcome.plan.decisions)}
+    unchanged = Plan(policy=outcome.plan.policy, notes=outcome.plan.notes + (note,))
+    return Outcome(_with_keeps(unchanged, base, kept, f"policy {policy!r}"),
+                   fields=outcome.fields, warnings=outcome.warnings)
 
 
 def _gradients_first(outcome: Outcome, ctx: Context) -> Outcome:

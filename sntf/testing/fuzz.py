@@ -159,8 +159,10 @@ class Harness:
             # a softmax, with sntf never imported (docs/tensorflow.md).
             outcome["reference_error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}"
             return outcome
+        # min_gain 0: a case's plan is applied whatever it saves, so that a
+        # small case tests a rewrite rather than the graph left unchanged.
         options = {"recompute_mode": spec["recompute_mode"],
-                   "swap_min_bytes": spec["swap_min_bytes"]}
+                   "swap_min_bytes": spec["swap_min_bytes"], "min_gain": 0.0}
         if spec["batch_size_option"]:
             options["batch_size"] = spec["batch"]
         self.captured.clear()

@@ -294,6 +294,11 @@ def _arguments(argv: Optional[list[str]]):
                         help="policy to enable; omitted: sntf is not imported")
     parser.add_argument("--swap-min-bytes", type=int, default=None)
     parser.add_argument("--recompute-mode", default=None)
+    parser.add_argument("--min-gain", type=float, default=0.0,
+                        help="sntf's min_gain option; 0 here, not the library's "
+                             "0.05: the models are small, and what is tested is "
+                             "that a rewrite trains identically, not that it "
+                             "saves 5%%")
     parser.add_argument("--loop", default=None, choices=("fit", "custom"),
                         help="model.fit, or strategy.run in a tf.function "
                         "(default: fit, custom for multiworker, where Keras "
@@ -319,7 +324,7 @@ def _models(args):
         return None, models
     import sntf
 
-    options: dict[str, Any] = {"keep_graphs": True}
+    options: dict[str, Any] = {"keep_graphs": True, "min_gain": args.min_gain}
     if args.swap_min_bytes is not None:
         options["swap_min_bytes"] = args.swap_min_bytes
     if args.recompute_mode:

@@ -94,6 +94,11 @@ def _arguments():
                         help="samples beyond steps*batch: a last partial batch")
     parser.add_argument("--pin-order", default="on", choices=("on", "off"),
                         help="sntf's pin_order option")
+    parser.add_argument("--min-gain", type=float, default=0.0,
+                        help="sntf's min_gain option; 0 here, not the library's "
+                             "0.05: the models are small, and what is tested is "
+                             "that a rewrite trains identically, not that it "
+                             "saves 5%%")
     parser.add_argument("--steps-per-execution", type=int, default=1,
                         help="Keras' steps_per_execution: fit() runs this many "
                              "steps in a while loop per call (one loss logged "
@@ -106,7 +111,7 @@ def _enable(args) -> None:
     import sntf
 
     options = {"identity_rewrite": args.identity_rewrite,
-               "pin_order": args.pin_order == "on"}
+               "pin_order": args.pin_order == "on", "min_gain": args.min_gain}
     if args.recompute_mode:
         options["recompute_mode"] = args.recompute_mode
     if args.swap_min_bytes is not None:
