@@ -16,6 +16,7 @@ from sntf.planner import budget as budget_planning
 from sntf.planner import search as budget
 from sntf import graph as G
 from sntf.runtime import plugin
+from sntf.graph import names
 
 MIB = 1 << 20
 
@@ -468,3 +469,26 @@ def test_under_onednn_convolutions_take_no_im2col_scratch():
     for node in g.node:
         node.device = "/job:localhost/replica:0/task:0/device:GPU:0"
     assert "19574784 bytes of allocator slack" in reason(g)
+
+
+@pytest.mark.parametrize("policy", ["auto", "swap"])
+def test_the_tensor_cache_leaves_the_budget_margin_free(policy):
+    """Swapped tensors the cache keeps on the device fill the headroom over
+    the planned peak up to the budget less its margin, never into the
+    margin: that is held back for a plan that measures above its
+    prediction."""
+    graph_def, props = mlp_step()
+    facts, _, _ = _search(graph_def, props, 1 << 40)
+    budget = int(0.8 * facts.predicted_peak_bytes)
+    state = config.State(enabled=True, policy=policy, budget=config.Budget(bytes=budget),
+                         options=config.Options(swap_min_bytes=0))
+    result = passes.run_pass(graph_def.SerializeToString(), ["ret"], [], state,
+                             properties_fn(props))
+    report = result.report
+    assert report["action"] == "rewritten" and report["swapped"], report
+    headrooms = {n.attr["headroom"].i for n in result.graph_def.node
+                 if n.op == names.CACHE_OUT_OP}
+    assert len(headrooms) == 1 and max(headrooms) > 0, headrooms
+    margin = config.Options().budget_margin
+    assert report["planned_peak_bytes"] + max(headrooms) <= int(budget * (1 - margin))
+    assert f"x (1 - margin {margin:g})" in report["reason"]

@@ -354,6 +354,12 @@ def test_the_cache_headroom_is_the_budget_left_over_the_planned_peak():
     # Over budget: the headroom is negative and every swap copies.
     assert budget_planning.cache_headroom(facts, 6 * MIB, 0) == -MIB
     assert budget_planning.cache_note(facts, 6 * MIB).endswith("every swap copies")
+    # The budget's margin is held back for the analysis' error: with 0.1,
+    # 9 MiB - 0.5 - 2 - 5 = 1.5 MiB.
+    assert budget_planning.cache_headroom(facts, 10 * MIB, MIB // 2, 0.1) == 3 * MIB // 2
+    assert budget_planning.cache_note(facts, 10 * MIB, MIB // 2, 0.1).startswith(
+        f"tensor cache: up to {3 * MIB // 2} bytes of swapped tensors stay on the "
+        f"device (budget {10 * MIB} x (1 - margin 0.1) - {MIB // 2} held outside")
 
 
 def test_pass_with_a_budget_reports_the_cudnn_workspace_limit(monkeypatch):

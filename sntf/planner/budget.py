@@ -48,31 +48,37 @@ def allocator_slack(facts) -> int:
                default=0)
 
 
-def cache_headroom(facts, budget: int, outside: int) -> int:
+def cache_headroom(facts, budget: int, outside: int, margin: float = 0.0) -> int:
     """Bytes of swapped tensors the tensor cache may keep on the device
     (negative: none).
 
     The planned peak assumes every swap copies, so cached tensors may use
-    only the headroom budget - planned peak: kept within it, they raise no
-    step of the plan above the budget, wherever that step lies. The
-    headroom also leaves what the device holds outside the graph and the
+    only the headroom budget * (1 - margin) - planned peak: kept within it,
+    they raise no step of the plan above the budget less its margin,
+    wherever that step lies. The margin is held back for the analysis'
+    error, as budget targets hold it: a cache that filled it would leave a
+    plan that measures above its prediction over the budget. The headroom
+    also leaves what the device holds outside the graph and the
     allocator's slack, as budget targets do.
     """
-    return budget - outside - allocator_slack(facts) - facts.budget_peak_bytes
+    return (int(budget * (1.0 - margin)) - outside - allocator_slack(facts)
+            - facts.budget_peak_bytes)
 
 
-def cache_note(facts, budget: int, outside: int = 0) -> str:
+def cache_note(facts, budget: int, outside: int = 0, margin: float = 0.0) -> str:
     """The plan note that says how much the tensor cache may keep."""
     peak = facts.budget_peak_bytes
-    headroom = cache_headroom(facts, budget, outside)
+    headroom = cache_headroom(facts, budget, outside, margin)
+    kept_back = f" x (1 - margin {margin:g})" if margin else ""
     held = f" - {outside} held outside the graph" if outside else ""
     slack = allocator_slack(facts)
     slack_text = f" - {slack} allocator slack" if slack else ""
     if headroom < 0:
-        return (f"budget {budget} bytes{held}{slack_text} is below the planned peak "
-                f"{peak} bytes: every swap copies")
+        return (f"budget {budget} bytes{kept_back}{held}{slack_text} is below the "
+                f"planned peak {peak} bytes: every swap copies")
     return (f"tensor cache: up to {headroom} bytes of swapped tensors stay on the "
-            f"device (budget {budget}{held}{slack_text} - planned peak {peak})")
+            f"device (budget {budget}{kept_back}{held}{slack_text} - planned peak "
+            f"{peak})")
 
 
 def cudnn_workspace_limit_mb(budget: int, planned_peak: int) -> int:
@@ -249,7 +255,7 @@ def fit_budget(base, ctx: Context, name: str = "") -> Fitted:
     plan, planned = updates_in_place(plan, planned, base, ctx)
     if plan.swaps:
         plan = dataclasses.replace(plan, notes=plan.notes + (
-            cache_note(planned.facts, budget, outside),))
+            cache_note(planned.facts, budget, outside, ctx.budget_margin),))
     return Fitted(plan, planned, choice, candidates, warning)
 
 

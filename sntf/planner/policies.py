@@ -291,9 +291,9 @@ def _composed(policy: str, composition, base, ctx: Context) -> Outcome:
     cache_budget = ctx.budget if run.swaps else None
     if cache_budget is not None:
         headroom = budget_planning.cache_headroom(run.current.facts, cache_budget,
-                                                  ctx.outside_bytes)
+                                                  ctx.outside_bytes, ctx.budget_margin)
         notes.append(budget_planning.cache_note(run.current.facts, cache_budget,
-                                                ctx.outside_bytes))
+                                                ctx.outside_bytes, ctx.budget_margin))
     result = Plan(policy=policy, decisions=tuple(run.decisions), notes=tuple(notes),
                   recomputes=run.recomputes, swaps=run.swaps, cache_budget=cache_budget)
     return Outcome(_with_keeps(result, base, run.kept, f"policy {policy!r}"),
@@ -344,7 +344,7 @@ def _pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
     headroom = outcome.cache_headroom
     if headroom is not None and plan.cache_budget is not None:
         headroom = budget_planning.cache_headroom(pinned.facts, plan.cache_budget,
-                                                  ctx.outside_bytes)
+                                                  ctx.outside_bytes, ctx.budget_margin)
     return dataclasses.replace(
         outcome, plan=dataclasses.replace(plan, notes=plan.notes + (note,)),
         planned=pinned, cache_headroom=headroom)
@@ -370,7 +370,7 @@ def _fitted(base, ctx: Context, name: str) -> Outcome:
     headroom = None
     if fitted.planned is not None and fitted.plan.swaps:
         headroom = budget_planning.cache_headroom(fitted.planned.facts, ctx.budget,
-                                                  ctx.outside_bytes)
+                                                  ctx.outside_bytes, ctx.budget_margin)
     warnings = (fitted.warning,) if fitted.warning else ()
     return Outcome(_with_keeps(fitted.plan, base, kept, "policy 'auto'"),
                    fitted.planned, headroom, fields, warnings)
