@@ -210,10 +210,11 @@ class Fitted:
 def budget_target(base, ctx: Context) -> int:
     """The planned peak a plan must not exceed to fit ctx.budget: the budget
     less the analysis' error margin, less what the device already holds
-    outside this graph and less the allocator's slack for the largest
-    scratch buffer (allocator_slack of the unplanned graph)."""
+    outside this graph, less the allocator's slack for the largest scratch
+    buffer (allocator_slack of the unplanned graph) and less the room kept
+    for order edges (ctx.order_reserve)."""
     return (int(ctx.budget * (1.0 - ctx.budget_margin)) - ctx.outside_bytes
-            - allocator_slack(base.facts))
+            - allocator_slack(base.facts) - ctx.order_reserve)
 
 
 def fit_budget(base, ctx: Context, name: str = "") -> Fitted:
@@ -262,9 +263,11 @@ def fit_budget(base, ctx: Context, name: str = "") -> Fitted:
 def _budget_note(base, ctx: Context, target: int, slack: int, choice, options: int) -> str:
     counts = {a: sum(1 for o in choice.options if o.action == a)
               for a in (RECOMPUTE, SWAP)}
+    reserve = (f", {ctx.order_reserve} bytes for order edges"
+               if ctx.order_reserve else "")
     return (f"auto: budget {ctx.budget} bytes (plan target {target} bytes: margin "
             f"{ctx.budget_margin:g}, {ctx.outside_bytes} bytes held outside the "
-            f"graph, {slack} bytes of allocator slack), predicted peak "
+            f"graph, {slack} bytes of allocator slack{reserve}), predicted peak "
             f"{base.facts.budget_peak_bytes} -> planned {choice.peak} bytes with "
             f"{counts[RECOMPUTE]} buffer(s) recomputed and "
             f"{counts[SWAP]} swapped of {options} option(s), "

@@ -39,6 +39,9 @@ class Context:
       budget_behaviour: "best_effort" or "unchanged" when no plan fits.
       min_gain: without a budget, the least share of the planned peak a
         rewritten graph must save to be applied.
+      order_reserve: bytes the budget target holds back besides the margin:
+        what a plan's order edges added to its planned peak, where a first
+        fit left them no room (policies.plan).
       stage_seconds: where the wall time of each planning stage is added
         (the report's field), or None.
       pin_order: chain a rewritten graph's memory-heavy ops in the planned
@@ -55,6 +58,7 @@ class Context:
     budget_margin: float = 0.10
     budget_behaviour: str = "best_effort"
     min_gain: float = 0.05
+    order_reserve: int = 0
     stage_seconds: Optional[dict] = None
     pin_order: bool = True
 
