@@ -393,29 +393,23 @@ def test_budget_behaviour_rejected(value):
                                   f"'unchanged', got {value!r}")
 
 
-@pytest.mark.parametrize("value", [0, 0.0, 0.08, 0.49])
-def test_budget_margin_accepted(value):
-    assert config.parse_options({"budget_margin": value}).budget_margin == value
+SHARES = {"budget_margin": "[0, 0.5)", "min_gain": "[0, 1)"}
 
 
-@pytest.mark.parametrize("value", [-0.1, 0.5, 1, float("nan"), "0.1", True, None])
-def test_budget_margin_rejected(value):
+@pytest.mark.parametrize("name, value", [
+    ("budget_margin", v) for v in (0, 0.0, 0.08, 0.49)] + [
+    ("min_gain", v) for v in (0, 0.0, 0.05, 0.5, 0.99)])
+def test_share_options_accepted(name, value):
+    assert getattr(config.parse_options({name: value}), name) == value
+
+
+@pytest.mark.parametrize("name, value", [
+    ("budget_margin", v) for v in (-0.1, 0.5, 1, float("nan"), "0.1", True, None)] + [
+    ("min_gain", v) for v in (-0.01, 1, 1.5, float("nan"), "5%", True, None)])
+def test_share_options_rejected(name, value):
     with pytest.raises(ValueError) as excinfo:
-        config.parse_options({"budget_margin": value})
-    assert str(excinfo.value) == ("sntf: budget_margin must be a number in [0, 0.5), "
-                                  f"got {value!r}")
-
-
-@pytest.mark.parametrize("value", [0, 0.0, 0.05, 0.5, 0.99])
-def test_min_gain_accepted(value):
-    assert config.parse_options({"min_gain": value}).min_gain == value
-
-
-@pytest.mark.parametrize("value", [-0.01, 1, 1.5, float("nan"), "5%", True, None])
-def test_min_gain_rejected(value):
-    with pytest.raises(ValueError) as excinfo:
-        config.parse_options({"min_gain": value})
-    assert str(excinfo.value) == ("sntf: min_gain must be a number in [0, 1), "
+        config.parse_options({name: value})
+    assert str(excinfo.value) == (f"sntf: {name} must be a number in {SHARES[name]}, "
                                   f"got {value!r}")
 
 

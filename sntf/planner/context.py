@@ -41,7 +41,7 @@ class Context:
         rewritten graph must save to be applied.
       order_reserve: bytes the budget target holds back besides the margin:
         what a plan's order edges added to its planned peak, where a first
-        fit left them no room (policies.plan).
+        fit left them no room (policies._fitted_in_order).
       stage_seconds: where the wall time of each planning stage is added
         (the report's field), or None.
       pin_order: chain a rewritten graph's memory-heavy ops in the planned
