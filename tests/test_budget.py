@@ -562,7 +562,7 @@ def test_a_budget_plan_whose_order_edges_find_no_room_is_fitted_again(monkeypatc
     assert not any("not applied" in n for n in outcome.plan.notes), outcome.plan.notes
 
 
-def test_order_edges_no_refit_makes_room_for_go_into_the_budget_margin(monkeypatch):
+def test_where_no_refit_makes_room_order_edges_go_into_the_budget_margin(monkeypatch):
     """Where no plan fits the target with its edges, the fitted plan keeps
     them, a little into the budget's margin: an order the executor does not
     keep errs far more than the edges' rise."""
