@@ -55,9 +55,9 @@ class Outcome:
       fields: report fields the policy fills (budget_fits, ...).
       warnings: messages to log once.
       pinned: whether order edges hold the planned order (_pinned).
-      order_rise: where order edges were dropped only because a plan that
-        fits its budget left them no room, what they add to the planned
-        peak; else 0.
+      held_in_margin: where order edges were dropped only because they
+        would take a plan that fits its budget over its target, the outcome
+        with them (its peak still under the budget); else None.
     """
 
     plan: Plan
@@ -66,7 +66,7 @@ class Outcome:
     fields: dict = dataclasses.field(default_factory=dict)
     warnings: tuple = ()
     pinned: bool = False
-    order_rise: int = 0
+    held_in_margin: Optional["Outcome"] = None
 
 
 @dataclasses.dataclass
@@ -269,11 +269,12 @@ def _fitted_in_order(base, ctx: Context, name: str) -> Outcome:
     the inter-op pool runs some other order: the measured peak is left to
     chance. Such a plan is fitted once more under a target lower by what
     the edges added, and that plan is taken where it fits with its edges."""
-    fitted = _gradients_first(_fitted(base, ctx, name), ctx)
-    outcome = _pinned(fitted, base, ctx)
-    if not outcome.order_rise:
+    outcome = _pinned(_gradients_first(_fitted(base, ctx, name), ctx), base, ctx)
+    held = outcome.held_in_margin
+    if held is None:
         return outcome
-    roomy = dataclasses.replace(ctx, order_reserve=ctx.order_reserve + outcome.order_rise)
+    rise = held.planned.peak - outcome.planned.peak
+    roomy = dataclasses.replace(ctx, order_reserve=ctx.order_reserve + rise)
     # The edges are then judged against the budget's own target (ctx).
     again = _pinned(_gradients_first(_fitted(base, roomy, name), roomy), base, ctx)
     if again.pinned and again.fields.get("budget_fits"):
@@ -283,7 +284,7 @@ def _fitted_in_order(base, ctx: Context, name: str) -> Outcome:
     # there for the analysis' error, and an order the executor does not
     # keep errs far more than the edges' rise (the swish all-conv net's
     # plan, unchained, measured up to 1.23 times its budget).
-    return _pinned(fitted, base, ctx, into_margin=True)
+    return held
 
 
 def _gradients_first(outcome: Outcome, ctx: Context) -> Outcome:
@@ -333,13 +334,12 @@ def _composed(policy: str, composition, base, ctx: Context) -> Outcome:
                    run.current if modified else None, headroom)
 
 
-def _pinned(outcome: Outcome, base, ctx: Context, into_margin: bool = False) -> Outcome:
+def _pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
     """The outcome with the rewritten graph's large allocations and frees
     held to the planned order (plan_sequence), where the analysis stands
     behind it: the chained graph, analyzed, plans no higher than the
     unchained one, give or take what one unchained op allocates, and a plan
-    that fits its budget still fits its target (into_margin: the budget
-    less what the device holds outside the graph)."""
+    that fits its budget still fits its target (else held_in_margin)."""
     planned = outcome.planned
     if not ctx.pin_order or planned is None:
         return outcome
@@ -367,31 +367,36 @@ def _pinned(outcome: Outcome, base, ctx: Context, into_margin: bool = False) -> 
     # chained plan is worth a small predicted rise: the order it predicts
     # is the order that runs.
     rise = max(least, int(heuristics.SEQUENCE_RISE_SHARE * planned.peak))
-    room = rise
-    if ctx.budget is not None and outcome.fields.get("budget_fits"):
-        target = (ctx.budget - ctx.outside_bytes if into_margin
-                  else budget_planning.budget_target(base, ctx))
-        room = min(rise, max(0, target - planned.peak))
-    if pinned is None or pinned.peak > planned.peak + room:
-        dropped = _noted(outcome, (
-            f"order: {len(orders)} edge(s) not applied: the predicted peak would "
-            f"rise ({planned.peak} -> {pinned.peak if pinned else None} bytes)"))
-        if pinned is not None and pinned.peak <= planned.peak + rise:
-            # Only the budget left them no room: _fitted_in_order fits again.
-            dropped = dataclasses.replace(dropped, order_rise=pinned.peak - planned.peak)
-        return dropped
-    note = (f"order: {len(orders)} edge(s) hold the ops that allocate or free "
-            f"{least} bytes or more to the planned order")
-    if into_margin:
-        note += (f", {pinned.peak - planned.peak} bytes into the budget's margin: no "
-                 f"plan fits the target with its edges")
+    if pinned is None or pinned.peak > planned.peak + rise:
+        return _noted(outcome, _dropped_note(orders, planned, pinned))
     headroom = outcome.cache_headroom
     if headroom is not None and plan.cache_budget is not None:
         headroom = budget_planning.cache_headroom(pinned.facts, plan.cache_budget,
                                                   ctx.outside_bytes, ctx.budget_margin)
-    return dataclasses.replace(
-        outcome, plan=dataclasses.replace(plan, notes=plan.notes + (note,)),
+    held = dataclasses.replace(
+        outcome, plan=dataclasses.replace(plan, notes=plan.notes + (
+            f"order: {len(orders)} edge(s) hold the ops that allocate or free "
+            f"{least} bytes or more to the planned order",)),
         planned=pinned, cache_headroom=headroom, pinned=True)
+    if ctx.budget is None or not outcome.fields.get("budget_fits"):
+        return held
+    if pinned.peak <= budget_planning.budget_target(base, ctx):
+        return held
+    # A plan that fits its budget must still fit its target. Only that left
+    # the edges no room: _fitted_in_order fits again, or takes them into the
+    # budget's margin where they stay under the budget itself.
+    in_margin = None
+    if pinned.peak <= ctx.budget - ctx.outside_bytes:
+        in_margin = _noted(held, (
+            f"order: the edges take the planned peak {pinned.peak - planned.peak} "
+            f"bytes into the budget's margin: no plan fits the target with them"))
+    return dataclasses.replace(_noted(outcome, _dropped_note(orders, planned, pinned)),
+                               held_in_margin=in_margin)
+
+
+def _dropped_note(orders: tuple, planned, pinned) -> str:
+    return (f"order: {len(orders)} edge(s) not applied: the predicted peak would "
+            f"rise ({planned.peak} -> {pinned.peak if pinned else None} bytes)")
 
 
 def _noted(outcome: Outcome, note: str) -> Outcome:
