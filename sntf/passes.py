@@ -17,11 +17,10 @@ from typing import Callable, Optional, Sequence
 
 from sntf import analysis, config, graph, planner, report as reports, rewrite
 from sntf.analysis import Analyzed
-from sntf.analysis import memory
 from sntf.analysis.breakdown import breakdown
 from sntf.graph.identity import graph_key
 from sntf.planner import budget as budget_planning
-from sntf.planner import heuristics
+from sntf.planner import device_limit, heuristics
 
 # Re-exported: the report's actions and its schema.
 UNCHANGED, REWRITTEN, SKIPPED, ERROR = (reports.UNCHANGED, reports.REWRITTEN,
@@ -234,16 +233,24 @@ def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,
     if base is None:
         return planner.Outcome(planner.identity_plan(
             state.policy, "no analysis: graph left unchanged"))
-    room = _device_room(state, base, index, env, budget)
+    room = _device_room(state, base, index, env)
     if room is not None:
         report["device_limit_bytes"] = room.limit
-        fits = _fits_device_limit(state, base, room)
+        fits = (device_limit.unchanged_note(base, room, state.options.budget_margin)
+                if state.budget is None and budget is None else None)
         if fits is not None:
             report["device_limit_fits"] = True
             return planner.Outcome(planner.identity_plan(state.policy, fits))
     ctx = _context(state, env, budget, index, report)
     outcome = planner.plan(state.policy, base, ctx, report["graph"])
-    return outcome if room is None else _check_device_limit(outcome, base, room, report)
+    if room is None:
+        return outcome
+    if budget is not None:
+        outcome = device_limit.refitted(outcome, base, room, ctx, state.policy, report["graph"])
+        outcome = device_limit.cache_fitted(outcome, room)
+    outcome, report["device_limit_fits"] = device_limit.checked(outcome, base, room,
+                                                                report["graph"])
+    return outcome
 
 
 def _context(state: config.State, env: Environment, budget: Optional[int], index,
@@ -337,68 +344,20 @@ def _onednn(env: Environment, index) -> bool:
     return env.onednn and not _on_gpu(index)
 
 
-@dataclasses.dataclass(frozen=True)
-class _DeviceRoom:
-    """What a graph may use of its device under the allocator's limit."""
-
-    device: str
-    limit: int      # the allocator's bytes_limit
-    usable: int     # less the analysis' margin
-    outside: int    # held outside the graph (allocated first)
-    grows: bool     # the allocator grows by regions (else one region)
-
-    def runs_out(self, facts) -> bool:
-        """Whether the allocator model runs out of memory on this step (a
-        multi-device graph is judged by its peak alone)."""
-        return not facts.device_timelines and memory.runs_out_of_memory(
-            facts, self.usable, self.outside, self.grows) is not None
-
-
-def _device_room(state: config.State, base: Analyzed, index, env: Environment,
-                 budget: Optional[int]) -> Optional[_DeviceRoom]:
-    """Policy "auto" without a budget, on a device whose allocator has a
-    limit (a GPU's, or the CPU's under TF_CPU_BFC_MEM_LIMIT_IN_MB): the room
-    the step has there; else None."""
-    if state.policy != "auto" or budget is not None or state.budget is not None:
+def _device_room(state: config.State, base: Analyzed, index,
+                 env: Environment) -> Optional[device_limit.DeviceRoom]:
+    """Policy "auto", on a device whose allocator has a limit (a GPU's, or
+    the CPU's under TF_CPU_BFC_MEM_LIMIT_IN_MB): the room the step has
+    there; else None."""
+    if state.policy != "auto":
         return None
     device = graph_device(index)
     limit = env.allocator_limit(device)
     if not limit:
         return None
     outside = (_outside_bytes(index, base.facts, env.in_use) or 0) if env.in_use else 0
-    return _DeviceRoom(device, limit, int(limit * (1.0 - state.options.budget_margin)),
-                       outside, env.allocator_grows(device))
-
-
-def _fits_device_limit(state: config.State, base: Analyzed, room: _DeviceRoom) -> Optional[str]:
-    """A graph predicted to fit its device's limit, less the analysis'
-    margin and what the device holds outside the graph, is left as it is
-    (no overhead where nothing is needed); one that does not is planned as
-    low as the policy goes. A peak under the limit is not enough: the
-    allocator's regions may leave no chunk for a large request
-    (analysis.bfc). Returns the note of an unchanged graph, or None."""
-    peak = base.facts.budget_peak_bytes
-    if peak > room.usable - room.outside or room.runs_out(base.facts):
-        return None
-    return (f"auto without a budget: the predicted peak {peak} bytes fits "
-            f"{room.device}'s allocator limit of {room.limit} bytes (less the margin "
-            f"{state.options.budget_margin:g} and {room.outside} bytes held outside the "
-            "graph), so the graph is left as it is")
-
-
-def _check_device_limit(outcome: planner.Outcome, base: Analyzed, room: _DeviceRoom,
-                        report: dict) -> planner.Outcome:
-    """Says, in the report and once in the log, when even the plan is
-    predicted to run out of memory under the device's limit."""
-    facts = (outcome.planned or base).facts
-    report["device_limit_fits"] = not room.runs_out(facts)
-    if report["device_limit_fits"]:
-        return outcome
-    warning = (f"{report['graph']}: predicted to run out of memory under {room.device}'s "
-               f"allocator limit of {room.limit / 2**20:.0f} MiB even as planned "
-               f"(planned peak {facts.budget_peak_bytes / 2**20:.1f} MiB); try a smaller "
-               "batch")
-    return dataclasses.replace(outcome, warnings=outcome.warnings + (warning,))
+    usable = int(limit * (1.0 - state.options.budget_margin))
+    return device_limit.DeviceRoom(device, limit, usable, outside, env.allocator_grows(device))
 
 
 def graph_device(index) -> str:

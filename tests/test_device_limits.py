@@ -5,8 +5,9 @@ for the device the graph is placed on, not a hard-coded GPU:0."""
 import pytest
 
 from graphs import mlp_step, properties_fn
-from sntf import config, passes
-from sntf.analysis import bfc
+from sntf import config, graph, passes
+from sntf.analysis import bfc, memory, tensor_cache
+from sntf.graph import names
 from sntf.runtime import environment
 from sntf.testing.workers import measure_peak
 
@@ -130,6 +131,116 @@ def test_auto_without_budget_leaves_a_graph_that_fits_the_device_limit():
     tight = _auto_without_budget(peak // 2)
     assert tight["action"] == "rewritten", tight["reason"]
     assert tight["planned_peak_bytes"] == unlimited["planned_peak_bytes"]
+
+
+# A dense step whose budget plans the allocator model runs out of memory
+# on, under a limit equal to the budget, at some budgets and not others.
+WIDE_MLP = dict(widths=(256, 192, 320, 128, 256), batch=2048)
+
+
+def _budget_plan(share, limit=True, **options):
+    """Policy "auto" on WIDE_MLP under share x its unplanned peak, on a
+    device whose allocator limit is the budget (or has none)."""
+    g, props = mlp_step(**WIDE_MLP)
+    unplanned = passes.run_pass(g.SerializeToString(), ["ret"], [], config.State(
+        enabled=True, policy="off", budget=None, options=config.parse_options({})),
+        properties_fn(props)).report["predicted_peak_bytes"]
+    budget = int(share * unplanned)
+    state = config.State(enabled=True, policy="auto", budget=config.Budget(bytes=budget),
+                         options=config.parse_options({"keep_graphs": True, **options}))
+    env = passes.Environment(allocator_limit=lambda d: budget if limit else None)
+    return passes.run_pass(g.SerializeToString(), ["ret"], [], state,
+                           properties_fn(props), env=env), budget
+
+
+def _notes(report, prefix):
+    return [n for n in report["reason"].split("; ") if n.startswith(prefix)]
+
+
+def test_under_a_budget_a_plan_the_allocator_model_runs_out_on_is_fitted_lower():
+    """A budget's plan fits its target, yet under a hard limit its large
+    requests find no chunk in the allocator's regions: it is fitted again
+    under a lower target, to a plan the allocator model fits."""
+    unlimited, budget = _budget_plan(0.75, limit=False)
+    first = unlimited.report["planned_analysis_result"]
+    assert unlimited.report["budget_fits"] is True
+    assert memory.runs_out_of_memory(first, int(0.9 * budget)) is not None
+    run, _ = _budget_plan(0.75)
+    report = run.report
+    assert report["budget_fits"] is True and report["device_limit_fits"] is True
+    assert _notes(report, "device: the plan for the budget's target ran out of memory")
+    planned = report["planned_analysis_result"]
+    assert planned.budget_peak_bytes < first.budget_peak_bytes
+    assert memory.runs_out_of_memory(planned, int(0.9 * budget)) is None
+
+
+def test_where_the_allocator_model_runs_out_on_every_plan_the_lowest_is_taken():
+    """Near the limit whether a step finds its chunks turns on the
+    executor's order: the plan that leaves the most room is taken, and
+    the report does not say it fits."""
+    run, _ = _budget_plan(0.55)
+    report = run.report
+    assert _notes(report, "device: a model of CPU:0's allocator runs out of memory")
+    assert report["budget_fits"] is False and report["device_limit_fits"] is False
+    g, props = mlp_step(**WIDE_MLP)
+    lowest = passes.run_pass(g.SerializeToString(), ["ret"], [], config.State(
+        enabled=True, policy="swap+recompute", budget=None,
+        options=config.parse_options({})), properties_fn(props)).report
+    assert report["planned_peak_bytes"] == lowest["planned_peak_bytes"]
+    assert any("even as planned" in w for w in run.warnings), run.warnings
+
+
+def test_the_tensor_cache_keeps_no_more_than_the_allocator_model_leaves():
+    """The cache fills the chunks of tensors the plan counted as gone;
+    under a hard limit its headroom is cut to what the allocator model,
+    with the cache keeping what it allows, fits."""
+    unlimited, _ = _budget_plan(0.75, limit=False)
+    run, budget = _budget_plan(0.75)
+    assert _headrooms(unlimited.graph_def) and min(_headrooms(unlimited.graph_def)) > 0
+    cut = _notes(run.report, "tensor cache: 0 bytes, not ")
+    assert cut, run.report["reason"]
+    assert _headrooms(run.graph_def) == {0}
+    planned = run.report["planned_analysis_result"]
+    index = graph.build_index(run.graph_def, ["ret"], [])
+    wanted = int(cut[0].split("not ")[1].split(":")[0])
+    assert memory.runs_out_of_memory(planned, int(0.9 * budget), lifetimes=(
+        tensor_cache.cached_lifetimes(index, planned, wanted))) is not None
+
+
+def _headrooms(graph_def) -> set:
+    return {n.attr["headroom"].i for n in graph_def.node if n.op == names.CACHE_OUT_OP}
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0, 2.5, 100.0])
+def test_the_cache_model_keeps_swapped_tensors_within_its_headroom(share):
+    """analysis.tensor_cache: a kept tensor stays allocated until its
+    swap-ins are done, the swap-in that hands it on allocates nothing, and
+    what the cache keeps past the plan's own lifetimes never exceeds the
+    headroom at any step."""
+    run, _ = _budget_plan(0.75, limit=False)
+    planned = run.report["planned_analysis_result"]
+    index = graph.build_index(run.graph_def, ["ret"], [])
+    outs = [i for i, op in enumerate(index.ops) if op == names.CACHE_OUT_OP]
+    swapped = {planned.buffers[index.data_inputs[i][0]] for i in outs}
+    largest = max(planned.buffer_bytes[b] for b in swapped)
+    headroom = int(share * largest)
+    sizes, lifetimes = tensor_cache.cached_lifetimes(index, planned, headroom)
+    assert sizes == dict(planned.buffer_bytes)
+    held = {b: span for b, span in lifetimes.items()
+            if span[1] > planned.buffer_intervals[b][1]}
+    assert set(held) <= swapped
+    if share == 0.0:
+        assert lifetimes == dict(planned.buffer_intervals)
+        return
+    assert held
+    for step in range(len(planned.schedule)):
+        kept = sum(sizes[b] for b, (start, stop) in held.items()
+                   if planned.buffer_intervals[b][1] < step <= stop)
+        assert kept <= headroom
+    if share == 100.0:
+        # Room for all: every swap-in hands its tensor on.
+        ins = [i for i, op in enumerate(index.ops) if op == names.CACHE_IN_OP]
+        assert all(planned.buffers[(i, 0)] not in lifetimes for i in ins)
 
 
 @pytest.mark.slow

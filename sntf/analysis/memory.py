@@ -445,8 +445,8 @@ def _simulate(buffer_bytes: dict, persistent: set, intervals: dict, end: int,
                         lambda b: b[1] == SCRATCH_PORT, **limits)
 
 
-def runs_out_of_memory(analysis: Analysis, limit: int, outside: int = 0,
-                       grows: bool = True) -> Optional[int]:
+def runs_out_of_memory(analysis: Analysis, limit: int, outside: int = 0, grows: bool = True,
+                       lifetimes: Optional[tuple] = None) -> Optional[int]:
     """The first schedule step at which the step would run out of memory
     under an allocator limit (bfc.OutOfMemory), or None if it fits.
 
@@ -454,15 +454,15 @@ def runs_out_of_memory(analysis: Analysis, limit: int, outside: int = 0,
       analysis: a single-device graph's analysis.
       limit: the allocator's limit in bytes.
       outside: bytes the device holds outside the graph, allocated first.
-      grows: the allocator grows by regions (allow_growth); else it takes
-        the whole limit as one region.
+      grows: the allocator grows by regions, else it is one of the limit.
+      lifetimes: (sizes, intervals) for the analysis' own (tensor_cache).
 
     Returns:
       The step, -1 if what exists before the step does not fit, or None.
     """
+    sizes, intervals = lifetimes or (analysis.buffer_bytes, analysis.buffer_intervals)
     try:
-        _simulate(analysis.buffer_bytes, analysis.persistent_buffers,
-                  analysis.buffer_intervals, len(analysis.schedule),
+        _simulate(sizes, analysis.persistent_buffers, intervals, len(analysis.schedule),
                   limit=limit, outside=outside, grows=grows)
     except bfc.OutOfMemory as e:
         return e.step

@@ -72,6 +72,15 @@ SMALL_GRAPH_SEARCH = 40
 # with the graph. A node count, never a measured time, so that the same
 # graph takes the same search on a busy machine as on an idle one.
 SMALL_GRAPH_NODES = 400
+# Under a budget on a device whose allocator has a limit, a plan the
+# allocator model runs out of memory on is fitted again under a target
+# lower by this share of the budget, up to this many times (down to 0.7 of
+# the budget's target): each refit is a whole budget search.
+DEVICE_REFIT_SHARE = 0.05
+DEVICE_REFITS = 6
+# Under such a limit the tensor cache's headroom is halved until the
+# allocator model fits it; below this many bytes it is none.
+DEVICE_CACHE_MIN_BYTES = 1 << 20
 # Below this cuDNN is left its smallest algorithms only; 0 would forbid any
 # workspace and fail some convolutions outright.
 MIN_CUDNN_WORKSPACE_MB = 32

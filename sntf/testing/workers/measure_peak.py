@@ -201,7 +201,14 @@ def _run(args):
     model = models.build(args.family, args.depth, remat=args.remat,
                          run_eagerly=args.eager)
     x, y = models.make_data(args.family, args.steps * args.batch, seed=args.seed)
-    fitted = _fit(tf, keras, args, device, model, x, y)
+    try:
+        fitted = _fit(tf, keras, args, device, model, x, y)
+    except tf.errors.ResourceExhaustedError:
+        # What the plan claimed is read from the reports, which exist by
+        # now: a plan that said it fits and ran out of memory is the case
+        # the caller most needs to see.
+        print("SNTF_REPORTS " + json.dumps(_sntf_fields(sntf), default=str), flush=True)
+        raise
     info = tf.config.experimental.get_memory_info(device)
     times = fitted["times"]
     later = sorted(times[1:]) or times
@@ -391,9 +398,10 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
             result = json.loads(line[len("RESULT "):])
             result["wall_seconds"] = wall
             return result
+    reports = [line for line in proc.stdout.splitlines() if line.startswith("SNTF_REPORTS ")]
     raise RuntimeError(f"measure_peak {family} batch {batch} policy {policy} "
-                       f"failed (rc={proc.returncode})\nstdout:\n{proc.stdout[-2000:]}"
-                       f"\nstderr:\n{proc.stderr[-3000:]}")
+                       f"failed (rc={proc.returncode})\n{''.join(reports[-1:])}"
+                       f"\nstdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-3000:]}")
 
 
 if __name__ == "__main__":
