@@ -8,6 +8,7 @@ from graphs import mlp_step, properties_fn
 from sntf import config, graph, passes
 from sntf.analysis import bfc, memory, tensor_cache
 from sntf.graph import names
+from sntf.planner import device_limit
 from sntf.runtime import environment
 from sntf.testing.workers import measure_peak
 
@@ -157,21 +158,40 @@ def _notes(report, prefix):
     return [n for n in report["reason"].split("; ") if n.startswith(prefix)]
 
 
+def _room(budget):
+    """The room the pass sees under a limit equal to the budget."""
+    return device_limit.DeviceRoom("CPU:0", budget, int(0.9 * budget), 0, True)
+
+
 def test_under_a_budget_a_plan_the_allocator_model_runs_out_on_is_fitted_lower():
     """A budget's plan fits its target, yet under a hard limit its large
     requests find no chunk in the allocator's regions: it is fitted again
     under a lower target, to a plan the allocator model fits."""
-    unlimited, budget = _budget_plan(0.75, limit=False)
+    unlimited, budget = _budget_plan(0.85, limit=False)
     first = unlimited.report["planned_analysis_result"]
     assert unlimited.report["budget_fits"] is True
-    assert memory.runs_out_of_memory(first, int(0.9 * budget)) is not None
-    run, _ = _budget_plan(0.75)
+    assert _room(budget).runs_out(first)
+    run, _ = _budget_plan(0.85)
     report = run.report
     assert report["budget_fits"] is True and report["device_limit_fits"] is True
     assert _notes(report, "device: the plan for the budget's target ran out of memory")
     planned = report["planned_analysis_result"]
     assert planned.budget_peak_bytes < first.budget_peak_bytes
-    assert memory.runs_out_of_memory(planned, int(0.9 * budget)) is None
+    assert not _room(budget).runs_out(planned)
+
+
+def test_the_allocator_model_holds_back_the_largest_request():
+    """The model replays one order and the executor's threads run another,
+    so a plan judged to fit leaves room for the step's largest request."""
+    run, budget = _budget_plan(1.0, limit=False)
+    planned = run.report["planned_analysis_result"]
+    largest = max(n for b, n in planned.buffer_bytes.items()
+                  if b not in planned.persistent_buffers)
+    fits = next(limit for limit in range(budget, 4 * budget, MIB // 4)
+                if memory.runs_out_of_memory(planned, limit) is None)
+    assert memory.runs_out_of_memory(planned, fits - largest) is not None
+    assert device_limit.DeviceRoom("CPU:0", fits, fits, 0, True).runs_out(planned)
+    assert not device_limit.DeviceRoom("CPU:0", fits, fits + largest, 0, True).runs_out(planned)
 
 
 def test_where_the_allocator_model_runs_out_on_every_plan_the_lowest_is_taken():
@@ -203,8 +223,7 @@ def test_the_tensor_cache_keeps_no_more_than_the_allocator_model_leaves():
     planned = run.report["planned_analysis_result"]
     index = graph.build_index(run.graph_def, ["ret"], [])
     wanted = int(cut[0].split("not ")[1].split(":")[0])
-    assert memory.runs_out_of_memory(planned, int(0.9 * budget), lifetimes=(
-        tensor_cache.cached_lifetimes(index, planned, wanted))) is not None
+    assert _room(budget).runs_out(planned, tensor_cache.cached_lifetimes(index, planned, wanted))
 
 
 def _headrooms(graph_def) -> set:
