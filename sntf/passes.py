@@ -16,7 +16,7 @@ import traceback
 from typing import Callable, Optional, Sequence
 
 from sntf import analysis, config, graph, planner, report as reports, rewrite
-from sntf.analysis import Analyzed
+from sntf.analysis import Analyzed, tensor_cache
 from sntf.analysis.breakdown import breakdown
 from sntf.graph.identity import graph_key
 from sntf.planner import budget as budget_planning
@@ -286,6 +286,11 @@ def _record_plan(outcome: planner.Outcome, base: Optional[Analyzed], index,
                                 else facts).budget_peak_bytes,
             lower_bound_bytes=facts.lower_bound_bytes)
         report["planned_peak_bytes"] = plan.planned_peak_bytes
+        planned = outcome.planned
+        if (planned is not None and outcome.cache_headroom and outcome.cache_headroom > 0
+                and not planned.facts.device_timelines):
+            report["cached_peak_bytes"] = tensor_cache.cached_peak(
+                planned.index, planned.facts, outcome.cache_headroom)
         report["budget_bytes"] = budget
         if budget is not None:
             # The workspace gets the headroom left by the plan and by what

@@ -56,6 +56,10 @@ def new_report(name: str = "", nodes: int = 0) -> dict:
         # not), and the plan's predicted extra seconds per step.
         "budget_bytes": None,
         "budget_fits": None,
+        # With the tensor cache: the device peak predicted with the cache
+        # keeping swapped tensors within its headroom (planned_peak_bytes
+        # counts every swap as a copy).
+        "cached_peak_bytes": None,
         "achievable_peak_bytes": None,
         "predicted_seconds_added": None,
         # With a budget: device bytes in use outside this graph when it was

@@ -262,6 +262,21 @@ def test_the_cache_model_keeps_swapped_tensors_within_its_headroom(share):
         assert all(planned.buffers[(i, 0)] not in lifetimes for i in ins)
 
 
+def test_a_budget_plan_predicts_the_peak_with_the_tensor_cache():
+    """The planned peak counts every swap as a copy; the cache keeps
+    swapped tensors in the headroom, and cached_peak_bytes counts them."""
+    run, _ = _budget_plan(0.8, limit=False)
+    report = run.report
+    planned = report["planned_analysis_result"]
+    index = graph.build_index(run.graph_def, ["ret"], [])
+    headroom = min(_headrooms(run.graph_def))
+    assert headroom > 0
+    assert report["cached_peak_bytes"] == tensor_cache.cached_peak(index, planned, headroom)
+    assert report["cached_peak_bytes"] > report["planned_peak_bytes"]
+    assert tensor_cache.cached_peak(index, planned, 0) == report["planned_peak_bytes"]
+    assert _auto_without_budget(None)["cached_peak_bytes"] is None
+
+
 @pytest.mark.slow
 def test_the_cpu_bfc_allocator_without_a_limit_sets_none(fresh_python):
     """TF_CPU_ALLOCATOR_USE_BFC alone gives the CPU allocator a bytes_limit

@@ -23,7 +23,7 @@ REPORT_KEYS = {"graph", "training", "nodes", "action", "reason", "policy",
                "error", "invocations", "batch", "analysis", "analysis_error", "stage_seconds",
                "cudnn_workspace_limit_mb", "budget_bytes", "budget_fits",
                "achievable_peak_bytes", "predicted_seconds_added", "batch_source",
-               "outside_bytes", "peak_breakdown"}
+               "outside_bytes", "peak_breakdown", "cached_peak_bytes"}
 OFF = config.State(enabled=True, policy="off")
 OFF_IDENTITY = config.State(enabled=True, policy="off",
                             options=config.Options(identity_rewrite=True))

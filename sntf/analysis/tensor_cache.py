@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import collections
 
+from sntf.analysis import bfc
+from sntf.analysis.memory import SCRATCH_PORT
 from sntf.graph import names
 from sntf.graph.index import GraphIndex
 
@@ -79,6 +81,25 @@ def cached_lifetimes(g: GraphIndex, facts, headroom: int) -> tuple[dict, dict]:
             kept.pop(out)
             cached -= sizes[buffer]
     return sizes, intervals
+
+
+def cached_peak(g: GraphIndex, facts, headroom: int) -> int:
+    """The device peak the allocator model predicts with the tensor cache
+    keeping what its headroom allows (the planned peak assumes every swap
+    copies; a plan that leaves headroom under its budget measures higher).
+
+    Args:
+      g: the rewritten graph's index.
+      facts: its analysis (a single-device graph's).
+      headroom: the cache's cap on the bytes it keeps on the device.
+
+    Returns:
+      Bytes.
+    """
+    sizes, intervals = cached_lifetimes(g, facts, headroom)
+    series = bfc.simulate(sizes, facts.persistent_buffers, intervals, len(facts.schedule),
+                          lambda b: b[1] == SCRATCH_PORT)
+    return max(series, default=facts.persistent_bytes)
 
 
 def _hold(intervals: dict, buffer, until: int) -> None:

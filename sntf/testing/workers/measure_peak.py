@@ -59,6 +59,8 @@ Result keys:
   lower_bound_bytes     the last training report that has one
   planned_peak_bytes    the prediction for the graph as rewritten (the last
                         training report that has one)
+  cached_peak_bytes     the same with the tensor cache keeping what its
+                        headroom allows (a budget plan with swaps), or None
   pass_seconds          pass time of the largest training report
   reports_total         number of sntf reports (all graphs)
   sntf_stats            sntf.stats() after fit: host pool and swap counters
@@ -281,14 +283,15 @@ def _sntf_fields(sntf) -> dict:
     """The result's sntf keys: the training graphs' reports in brief, the
     last figures the pass gave, and sntf's statistics (None without sntf)."""
     fields = dict.fromkeys(("training_reports", "nodes", "predicted_peak_bytes",
-                            "planned_peak_bytes", "lower_bound_bytes", "pass_seconds",
+                            "planned_peak_bytes", "cached_peak_bytes", "lower_bound_bytes",
+                            "pass_seconds",
                             "reports_total", "sntf_stats"))
     if sntf is None:
         return fields
     reports = sntf.reports()
     training = [r for r in reports if r.get("training")]
     keys = ("graph", "nodes", "predicted_peak_bytes", "planned_peak_bytes",
-            "lower_bound_bytes", "pass_seconds", "invocations", "action",
+            "cached_peak_bytes", "lower_bound_bytes", "pass_seconds", "invocations", "action",
             "budget_bytes", "budget_fits", "achievable_peak_bytes",
             "predicted_seconds_added", "reason")
     fields["training_reports"] = [
@@ -305,7 +308,8 @@ def _sntf_fields(sntf) -> dict:
         values = [r.get(key) for r in training if r.get(key) is not None]
         return values[-1] if values else None
 
-    for key in ("predicted_peak_bytes", "lower_bound_bytes", "planned_peak_bytes"):
+    for key in ("predicted_peak_bytes", "lower_bound_bytes", "planned_peak_bytes",
+                "cached_peak_bytes"):
         fields[key] = last_known(key)
     if training:
         largest = max(training, key=lambda r: r.get("nodes") or 0)
