@@ -2,6 +2,8 @@
 its bytes_limit (a GPU's after memory_limit, the CPU's under a BFC limit),
 for the device the graph is placed on, not a hard-coded GPU:0."""
 
+import types
+
 import pytest
 
 from graphs import mlp_step, properties_fn
@@ -275,6 +277,43 @@ def test_a_budget_plan_predicts_the_peak_with_the_tensor_cache():
     assert report["cached_peak_bytes"] > report["planned_peak_bytes"]
     assert tensor_cache.cached_peak(index, planned, 0) == report["planned_peak_bytes"]
     assert _auto_without_budget(None)["cached_peak_bytes"] is None
+
+
+def _cache_steps(c_bytes):
+    """A hand-built schedule, one node per step: tensors a and b (1 KiB
+    each) go into the cache, a is read back once, c (c_bytes) goes in,
+    then b, a again and c are read back."""
+    ops = ["A", "B", names.CACHE_OUT_OP, names.CACHE_OUT_OP, names.CACHE_IN_OP, "C",
+           names.CACHE_OUT_OP, names.CACHE_IN_OP, names.CACHE_IN_OP, names.CACHE_IN_OP]
+    inputs = [(), (), ((0, 0),), ((1, 0),), ((2, 0),), (), ((5, 0),), ((3, 0),),
+              ((2, 0),), ((6, 0),)]
+    g = types.SimpleNamespace(ops=ops, data_inputs=inputs)
+    sizes = {(0, 0): 1024, (1, 0): 1024, (5, 0): c_bytes, (4, 0): 1024, (7, 0): 1024,
+             (8, 0): 1024, (9, 0): c_bytes}
+    intervals = {(0, 0): (0, 2), (1, 0): (1, 3), (5, 0): (5, 6), (4, 0): (4, 5),
+                 (7, 0): (7, 8), (8, 0): (8, 9), (9, 0): (9, 9)}
+    facts = types.SimpleNamespace(schedule=tuple(range(10)), buffers={b: b for b in sizes},
+                                  buffer_bytes=sizes, buffer_intervals=intervals)
+    return tensor_cache.cached_lifetimes(g, facts, 2048)[1]
+
+
+def test_a_cache_hit_makes_its_tensor_the_last_to_be_evicted():
+    """As cache_core.h's Take: a hit moves the entry to the back of the
+    LRU list, so c evicts b, not a, and a's second read is a hit too."""
+    lifetimes = _cache_steps(1024)
+    assert lifetimes[(1, 0)] == (1, 6)           # b: evicted when c comes in
+    assert (7, 0) in lifetimes                   # b's read: a miss, allocated
+    assert lifetimes[(0, 0)] == (0, 9)           # a: kept to its last reader
+    assert (4, 0) not in lifetimes and (8, 0) not in lifetimes   # a's reads: hits
+
+
+def test_a_tensor_larger_than_the_headroom_evicts_every_cached_one():
+    """As ChooseVictimsLocked: over the cap, every cached tensor goes, and
+    the large one is not kept either."""
+    lifetimes = _cache_steps(4096)
+    assert lifetimes[(0, 0)] == (0, 6) and lifetimes[(1, 0)] == (1, 6)
+    assert all(b in lifetimes for b in [(7, 0), (8, 0), (9, 0)])   # misses
+    assert lifetimes[(5, 0)] == (5, 6)
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ the cache keeps a swapped tensor on the device while the tensors it keeps
 fit its headroom (tf_ops/cache_core.h): SnCacheIn then hands on that same
 tensor, and nothing is allocated. A kept tensor fills its chunk until its
 last swap-in's readers are done, or until a later swap-out evicts it (the
-least recently cached first) to make room under the headroom.
+least recently used first) to make room under the headroom.
 
 Under a hard limit those chunks matter: the allocator's regions may have
 room for the planned step and none once the cache fills the gaps. The
@@ -45,37 +45,39 @@ def cached_lifetimes(g: GraphIndex, facts, headroom: int) -> tuple[dict, dict]:
     if headroom <= 0:
         return sizes, intervals
     step_of = {node: s for s, node in enumerate(facts.schedule)}
-    ins_of = collections.defaultdict(list)      # cache-out -> its swap-ins by step
+    ins_of = collections.defaultdict(list)      # cache-out -> its swap-ins
     for i, op in enumerate(g.ops):
-        if op == names.CACHE_IN_OP and g.data_inputs[i] and i in step_of:
-            ins_of[g.data_inputs[i][0][0]].append((step_of[i], i))
+        if op == names.CACHE_IN_OP and g.data_inputs[i]:
+            ins_of[g.data_inputs[i][0][0]].append(i)
     events = []                                 # (step, 0 = a swap-in, 1 = a swap-out, node)
     for out, ins in ins_of.items():
         if out in step_of and g.data_inputs[out]:
             events.append((step_of[out], 1, out))
-            events.extend((s, 0, i) for s, i in ins)
+            events.extend((step_of[i], 0, i) for i in ins if i in step_of)
     kept = collections.OrderedDict()            # cache-out -> its buffer, LRU first
-    left = {out: len(ins) for out, ins in ins_of.items()}
+    left = {out: len(ins) for out, ins in ins_of.items()}   # the kernel's `uses`
     cached = 0
     for step, kind, node in sorted(events):
         if kind == 1:
             buffer = facts.buffers.get(g.data_inputs[node][0])
             nbytes = sizes.get(buffer, 0)
-            if buffer is None or nbytes > headroom:
-                continue
+            # As ChooseVictimsLocked: least recently used first, until the
+            # tensor fits the cap (all of them for one larger than the cap).
             while kept and cached + nbytes > headroom:
                 _, victim = kept.popitem(last=False)
                 cached -= sizes[victim]
                 _hold(intervals, victim, step)  # evicted: copied out, then freed
-            kept[node] = buffer
-            cached += nbytes
+            if buffer is not None and nbytes <= headroom:
+                kept[node] = buffer
+                cached += nbytes
             continue
         out = g.data_inputs[node][0][0]
         if out not in kept:
             continue                            # a miss: its output is allocated
+        kept.move_to_end(out)                   # a hit: the last to be evicted
         buffer, y = kept[out], facts.buffers.get((node, 0))
-        if y is not None and y in intervals:
-            _hold(intervals, buffer, intervals.pop(y)[1])  # a hit hands on the tensor
+        if y is not None and y != buffer and y in intervals:
+            _hold(intervals, buffer, intervals.pop(y)[1])  # it hands the tensor on
         left[out] -= 1
         if left[out] == 0:
             kept.pop(out)
@@ -103,6 +105,8 @@ def cached_peak(g: GraphIndex, facts, headroom: int) -> int:
 
 
 def _hold(intervals: dict, buffer, until: int) -> None:
-    """Keeps a buffer allocated at least until a step."""
-    start, stop = intervals[buffer]
-    intervals[buffer] = (start, max(stop, until))
+    """Keeps a buffer allocated at least until a step (a buffer a hit
+    already handed on lives in its reader's interval)."""
+    if buffer in intervals:
+        start, stop = intervals[buffer]
+        intervals[buffer] = (start, max(stop, until))

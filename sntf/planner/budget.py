@@ -212,9 +212,10 @@ def budget_target(base, ctx: Context) -> int:
     less the analysis' error margin, less what the device already holds
     outside this graph, less the allocator's slack for the largest scratch
     buffer (allocator_slack of the unplanned graph) and less the room kept
-    for order edges (ctx.order_reserve)."""
+    for order edges and for a device's regions (ctx.order_reserve,
+    ctx.region_reserve)."""
     return (int(ctx.budget * (1.0 - ctx.budget_margin)) - ctx.outside_bytes
-            - allocator_slack(base.facts) - ctx.order_reserve)
+            - allocator_slack(base.facts) - ctx.order_reserve - ctx.region_reserve)
 
 
 def fit_budget(base, ctx: Context, name: str = "") -> Fitted:
@@ -265,6 +266,8 @@ def _budget_note(base, ctx: Context, target: int, slack: int, choice, options: i
               for a in (RECOMPUTE, SWAP)}
     reserve = (f", {ctx.order_reserve} bytes for order edges"
                if ctx.order_reserve else "")
+    if ctx.region_reserve:
+        reserve += f", {ctx.region_reserve} bytes for the device's allocator regions"
     return (f"auto: budget {ctx.budget} bytes (plan target {target} bytes: margin "
             f"{ctx.budget_margin:g}, {ctx.outside_bytes} bytes held outside the "
             f"graph, {slack} bytes of allocator slack{reserve}), predicted peak "

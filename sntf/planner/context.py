@@ -42,6 +42,9 @@ class Context:
       order_reserve: bytes the budget target holds back besides the margin:
         what a plan's order edges added to its planned peak, where a first
         fit left them no room (policies._fitted_in_order).
+      region_reserve: bytes the budget target holds back for a device's
+        allocator regions, where the first plan ran out of memory in the
+        allocator model under the device's limit (device_limit.refitted).
       stage_seconds: where the wall time of each planning stage is added
         (the report's field), or None.
       pin_order: chain a rewritten graph's memory-heavy ops in the planned
@@ -59,6 +62,7 @@ class Context:
     budget_behaviour: str = "best_effort"
     min_gain: float = 0.05
     order_reserve: int = 0
+    region_reserve: int = 0
     stage_seconds: Optional[dict] = None
     pin_order: bool = True
 

@@ -18,6 +18,7 @@ from sntf.analysis import memory, tensor_cache
 from sntf.planner import budget as budget_planning
 from sntf.planner import heuristics
 from sntf.planner.context import Context
+from sntf.planner.plan import identity_plan
 from sntf.planner.policies import Outcome, plan
 
 
@@ -38,9 +39,9 @@ class DeviceRoom:
 
         The model replays one order, and the executor's threads run
         another: near the limit, whether a request finds its chunk turns on
-        it (the swish all-conv net's lowest plan trained under limits of
-        30, 31 and 32 MiB and ran out of memory under 33, run to run). So
-        the model's limit also holds back the step's largest request."""
+        it (the same plan of the swish all-conv net trained in one run and
+        ran out of memory in the next under 33 MiB). So the model's limit
+        also holds back the step's largest request."""
         if facts.device_timelines:
             return False
         largest = max((n for b, n in facts.buffer_bytes.items()
@@ -89,14 +90,16 @@ def refitted(outcome: Outcome, base, room: DeviceRoom, ctx: Context, policy: str
     step = int(heuristics.DEVICE_REFIT_SHARE * ctx.budget)
     lowest, lowered = outcome, 0
     for k in range(1, heuristics.DEVICE_REFITS + 1):
-        lower = dataclasses.replace(ctx, order_reserve=ctx.order_reserve + k * step)
+        lower = dataclasses.replace(ctx, region_reserve=ctx.region_reserve + k * step)
         again = plan(policy, base, lower, name)
         planned = again.planned or base
-        # Whether it fits the budget is judged by the budget's own target.
-        again = dataclasses.replace(again, fields={**again.fields,
-                                                   "budget_fits": planned.peak <= target})
         if planned.peak <= target and not room.runs_out(planned.facts):
-            return _noted(again, (
+            # It fits the budget's own target: not the lowered one's unmet
+            # warning, and no achievable peak to report.
+            fields = {key: value for key, value in again.fields.items()
+                      if key != "achievable_peak_bytes"}
+            return _noted(dataclasses.replace(
+                again, fields={**fields, "budget_fits": True}, warnings=outcome.warnings), (
                 f"device: the plan for the budget's target ran out of memory in a model "
                 f"of {room.device}'s allocator under its limit of {room.limit} bytes "
                 f"(regions fragment), so it is fitted {k * step} bytes lower"))
@@ -104,9 +107,16 @@ def refitted(outcome: Outcome, base, room: DeviceRoom, ctx: Context, policy: str
             lowest, lowered = again, k * step
         if planned.peak > target - k * step:
             break                                   # the lowest plan there is
+    fields = {**lowest.fields, "budget_fits": (lowest.planned or base).peak <= target}
+    if ctx.budget_behaviour == "unchanged":
+        return Outcome(identity_plan(policy, (
+            f"device: a model of {room.device}'s allocator runs out of memory under its "
+            f"limit of {room.limit} bytes on every plan tried: graph left unchanged "
+            "(budget_behaviour='unchanged')")), fields={**fields, "budget_fits": False},
+            warnings=outcome.warnings)
     if lowest is outcome:
         return outcome
-    return _noted(lowest, (
+    return _noted(dataclasses.replace(lowest, fields=fields), (
         f"device: a model of {room.device}'s allocator runs out of memory under its "
         f"limit of {room.limit} bytes on every plan tried, so the lowest is taken "
         f"(fitted {lowered} bytes lower)"))
@@ -125,13 +135,20 @@ def cache_fitted(outcome: Outcome, room: DeviceRoom) -> Outcome:
     The headroom is bytes under the budget; the cache fills it with the
     chunks of tensors the plan counted as gone, and under a hard limit
     those chunks can be the ones a later request needed (the swish
-    all-conv net trained under a 32 MiB limit without the cache, and ran
-    out of memory with it). The headroom is halved until the model, with
+    all-conv net's plan trained under a 32 MiB limit with no headroom, and
+    ran out of memory with it; BENCHMARKS.md). The headroom is halved until the model, with
     the cache keeping what it allows (analysis.tensor_cache), does not run
     out of memory, down to none."""
     planned, headroom = outcome.planned, outcome.cache_headroom
     if planned is None or headroom is None or headroom <= 0:
         return outcome
+    if room.runs_out(planned.facts):
+        # The model runs out without the cache: whatever it keeps adds to
+        # the pressure, so it keeps nothing.
+        return _noted(dataclasses.replace(outcome, cache_headroom=0), (
+            f"tensor cache: 0 bytes, not {headroom}: a model of {room.device}'s "
+            f"allocator runs out of memory under its limit of {room.limit} bytes "
+            "on the plan alone"))
     fitted = headroom
     while fitted and room.runs_out(
             planned.facts, tensor_cache.cached_lifetimes(planned.index, planned.facts, fitted)):
