@@ -22,8 +22,9 @@ and tabulates, per configuration: the CPU:0 allocator peak (min-max over the
 repeats); the worst run's peak over TensorFlow's best (a ratio above 1 means
 some run was above TensorFlow's); the median peak over the lower bound of
 the training graph; the median step time over TensorFlow's; the planned peak
-(with the tensor cache's, under a budget) over the median measured one; and whether every run trained identically to
-TensorFlow (same losses and weight digest). Progress goes to stdout; the
+(with the tensor cache's, under a budget) over the median measured one; and
+whether every run trained identically to TensorFlow (same losses and weight
+digest). Progress goes to stdout; the
 table and the command go to --out.
 """
 

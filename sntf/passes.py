@@ -236,8 +236,9 @@ def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,
     room = _device_room(state, base, index, env)
     if room is not None:
         report["device_limit_bytes"] = room.limit
+        # Under a device limit a user's budget always resolves: None is none.
         fits = (device_limit.unchanged_note(base, room, state.options.budget_margin)
-                if state.budget is None and budget is None else None)
+                if budget is None else None)
         if fits is not None:
             report["device_limit_fits"] = True
             return planner.Outcome(planner.identity_plan(state.policy, fits))

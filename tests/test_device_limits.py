@@ -212,6 +212,14 @@ def test_where_the_allocator_model_runs_out_on_every_plan_the_lowest_is_taken():
     assert any("even as planned" in w for w in run.warnings), run.warnings
 
 
+def test_where_every_plan_runs_out_budget_behaviour_unchanged_leaves_the_graph():
+    run, _ = _budget_plan(0.55, budget_behaviour="unchanged")
+    report = run.report
+    assert report["action"] == "unchanged", report["reason"]
+    assert _notes(report, "device: a model of CPU:0's allocator runs out of memory")
+    assert report["budget_fits"] is False and report["device_limit_fits"] is False
+
+
 def test_the_tensor_cache_keeps_no_more_than_the_allocator_model_leaves():
     """The cache fills the chunks of tensors the plan counted as gone;
     under a hard limit its headroom is cut to what the allocator model,

@@ -19,7 +19,7 @@ from sntf.planner import budget as budget_planning
 from sntf.planner import heuristics
 from sntf.planner.context import Context
 from sntf.planner.plan import identity_plan
-from sntf.planner.policies import Outcome, plan
+from sntf.planner.policies import Outcome, noted, plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +98,7 @@ def refitted(outcome: Outcome, base, room: DeviceRoom, ctx: Context, policy: str
             # warning, and no achievable peak to report.
             fields = {key: value for key, value in again.fields.items()
                       if key != "achievable_peak_bytes"}
-            return _noted(dataclasses.replace(
+            return noted(dataclasses.replace(
                 again, fields={**fields, "budget_fits": True}, warnings=outcome.warnings), (
                 f"device: the plan for the budget's target ran out of memory in a model "
                 f"of {room.device}'s allocator under its limit of {room.limit} bytes "
@@ -116,16 +116,10 @@ def refitted(outcome: Outcome, base, room: DeviceRoom, ctx: Context, policy: str
             warnings=outcome.warnings)
     if lowest is outcome:
         return outcome
-    return _noted(dataclasses.replace(lowest, fields=fields), (
+    return noted(dataclasses.replace(lowest, fields=fields), (
         f"device: a model of {room.device}'s allocator runs out of memory under its "
         f"limit of {room.limit} bytes on every plan tried, so the lowest is taken "
         f"(fitted {lowered} bytes lower)"))
-
-
-def _noted(outcome: Outcome, note: str) -> Outcome:
-    """The outcome with a note added to its plan."""
-    return dataclasses.replace(outcome, plan=dataclasses.replace(
-        outcome.plan, notes=outcome.plan.notes + (note,)))
 
 
 def cache_fitted(outcome: Outcome, room: DeviceRoom) -> Outcome:
@@ -136,16 +130,16 @@ def cache_fitted(outcome: Outcome, room: DeviceRoom) -> Outcome:
     chunks of tensors the plan counted as gone, and under a hard limit
     those chunks can be the ones a later request needed (the swish
     all-conv net's plan trained under a 32 MiB limit with no headroom, and
-    ran out of memory with it; BENCHMARKS.md). The headroom is halved until the model, with
-    the cache keeping what it allows (analysis.tensor_cache), does not run
-    out of memory, down to none."""
+    ran out of memory with it; BENCHMARKS.md). The headroom is halved
+    until the model, with the cache keeping what it allows
+    (analysis.tensor_cache), does not run out of memory, down to none."""
     planned, headroom = outcome.planned, outcome.cache_headroom
     if planned is None or headroom is None or headroom <= 0:
         return outcome
     if room.runs_out(planned.facts):
         # The model runs out without the cache: whatever it keeps adds to
         # the pressure, so it keeps nothing.
-        return _noted(dataclasses.replace(outcome, cache_headroom=0), (
+        return noted(dataclasses.replace(outcome, cache_headroom=0), (
             f"tensor cache: 0 bytes, not {headroom}: a model of {room.device}'s "
             f"allocator runs out of memory under its limit of {room.limit} bytes "
             "on the plan alone"))
@@ -158,7 +152,7 @@ def cache_fitted(outcome: Outcome, room: DeviceRoom) -> Outcome:
     note = (f"tensor cache: {fitted} bytes, not {headroom}: with more, a model of "
             f"{room.device}'s allocator under its limit of {room.limit} bytes runs out "
             "of memory")
-    return _noted(dataclasses.replace(outcome, cache_headroom=fitted), note)
+    return noted(dataclasses.replace(outcome, cache_headroom=fitted), note)
 
 
 def checked(outcome: Outcome, base, room: DeviceRoom, name: str) -> tuple[Outcome, bool]:

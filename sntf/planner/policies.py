@@ -307,7 +307,7 @@ def _gradients_first(outcome: Outcome, ctx: Context) -> Outcome:
             ordered = (ctx.evaluate(Plan(policy=outcome.plan.policy, orders=orders),
                                     planned) if orders else None)
         except Exception as e:  # noqa: BLE001 - an optional stage never fails a plan
-            return _noted(outcome, f"order: gradient edges not applied: "
+            return noted(outcome, f"order: gradient edges not applied: "
                                    f"{type(e).__name__}: {e}")
     if ordered is None or ordered.peak >= planned.peak:
         return outcome
@@ -358,7 +358,7 @@ def _pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
             pinned = ctx.evaluate(Plan(policy=outcome.plan.policy, orders=orders),
                                   planned)
         except Exception as e:  # noqa: BLE001 - an optional stage never fails a plan
-            return _noted(outcome, f"order: edges not applied: {type(e).__name__}: {e}")
+            return noted(outcome, f"order: edges not applied: {type(e).__name__}: {e}")
         plan = dataclasses.replace(outcome.plan, orders=outcome.plan.orders + orders)
     # The ops left unchained may fall elsewhere in the one-thread order
     # once the chained ones wait for each other, moving the predicted peak.
@@ -368,7 +368,7 @@ def _pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
     # is the order that runs.
     rise = max(least, int(heuristics.SEQUENCE_RISE_SHARE * planned.peak))
     if pinned is None or pinned.peak > planned.peak + rise:
-        return _noted(outcome, _dropped_note(orders, planned, pinned))
+        return noted(outcome, _dropped_note(orders, planned, pinned))
     headroom = outcome.cache_headroom
     if headroom is not None and plan.cache_budget is not None:
         headroom = budget_planning.cache_headroom(pinned.facts, plan.cache_budget,
@@ -387,10 +387,10 @@ def _pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
     # budget's margin where they stay under the budget itself.
     in_margin = None
     if pinned.peak <= ctx.budget - ctx.outside_bytes:
-        in_margin = _noted(held, (
+        in_margin = noted(held, (
             f"order: the edges take the planned peak {pinned.peak - planned.peak} "
             f"bytes into the budget's margin: no plan fits the target with them"))
-    return dataclasses.replace(_noted(outcome, _dropped_note(orders, planned, pinned)),
+    return dataclasses.replace(noted(outcome, _dropped_note(orders, planned, pinned)),
                                held_in_margin=in_margin)
 
 
@@ -399,7 +399,8 @@ def _dropped_note(orders: tuple, planned, pinned) -> str:
             f"rise ({planned.peak} -> {pinned.peak if pinned else None} bytes)")
 
 
-def _noted(outcome: Outcome, note: str) -> Outcome:
+def noted(outcome: Outcome, note: str) -> Outcome:
+    """The outcome with a note added to its plan."""
     return dataclasses.replace(outcome, plan=dataclasses.replace(
         outcome.plan, notes=outcome.plan.notes + (note,)))
 
