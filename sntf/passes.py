@@ -29,7 +29,6 @@ DEFERRED = reports.DEFERRED
 new_report = reports.new_report
 
 PropertiesFn = Callable[[Sequence[str]], dict]
-CUDNN_WORKSPACE_ENV = "TF_CUDNN_WORKSPACE_LIMIT_IN_MB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +78,6 @@ class PassResult:
       key: the graph's identity across Grappler's two iterations (None when
         the graph could not be parsed).
       deferred: a training graph left for Grappler's last iteration.
-      settings: runtime settings the pass asks for (environment variable ->
-        value), applied by the runtime layer.
       warnings: messages to log once.
     """
 
@@ -88,7 +85,6 @@ class PassResult:
     report: dict
     key: Optional[bytes] = None
     deferred: bool = False
-    settings: dict = dataclasses.field(default_factory=dict)
     warnings: tuple = ()
 
 
@@ -200,7 +196,7 @@ def _run(graph_def, index, state: config.State, report: dict,
         rewritten = rewrite.set_cache_limits(rewritten, outcome.plan.cache_budget,
                                              outcome.cache_headroom)
     result = PassResult(None, report, warnings=outcome.warnings)
-    plan = _record_plan(outcome, base, index, state, env, budget, report, result)
+    plan = _record_plan(outcome, base, budget, report)
     handed = rewritten if rewritten is not None else graph_def
     if state.options.keep_graphs:
         report.update(original_graph=graph_def, rewritten_graph=handed,
@@ -273,10 +269,9 @@ def _context(state: config.State, env: Environment, budget: Optional[int], index
         pin_order=state.options.pin_order and env.inter_op_threads != 1)
 
 
-def _record_plan(outcome: planner.Outcome, base: Optional[Analyzed], index,
-                 state: config.State, env: Environment, budget: Optional[int],
-                 report: dict, result: PassResult) -> planner.Plan:
-    """Fills the report from the plan; asks for the cuDNN limit on a GPU."""
+def _record_plan(outcome: planner.Outcome, base: Optional[Analyzed],
+                 budget: Optional[int], report: dict) -> planner.Plan:
+    """Fills the report from the plan."""
     plan = outcome.plan
     report.update(outcome.fields)
     if base is not None:
@@ -294,13 +289,17 @@ def _record_plan(outcome: planner.Outcome, base: Optional[Analyzed], index,
                 planned.index, planned.facts, outcome.cache_headroom)
         report["budget_bytes"] = budget
         if budget is not None:
-            # The workspace gets the headroom left by the plan and by what
-            # the device holds outside the graph.
-            limit = budget_planning.cudnn_workspace_limit_mb(
+            # The headroom the plan and what the device holds outside the
+            # graph leave for cuDNN's workspace: reported, never set.
+            # TensorFlow reads TF_CUDNN_WORKSPACE_LIMIT_IN_MB once per process
+            # (a function-level static in ConvolveScratchSize), so a value
+            # set from the pass, after the first convolution, has no effect,
+            # and writing os.environ here races with other threads' getenv.
+            # Its DnnScratchAllocator allocates without retry and skips an
+            # algorithm whose workspace does not fit: the workspace cannot
+            # run the step out of memory.
+            report["cudnn_workspace_limit_mb"] = budget_planning.cudnn_workspace_limit_mb(
                 budget - (report["outside_bytes"] or 0), plan.planned_peak_bytes)
-            report["cudnn_workspace_limit_mb"] = limit
-            if _on_gpu(index):
-                result.settings[CUDNN_WORKSPACE_ENV] = limit
     report["swapped"] = plan.tensors(planner.SWAP)
     report["recomputed"] = plan.tensors(planner.RECOMPUTE)
     report["plan"] = plan.to_dict()
@@ -379,7 +378,7 @@ def graph_device(index) -> str:
 
 def _on_gpu(index) -> bool:
     """Whether any node of the graph is placed on a GPU."""
-    return any("GPU" in d.upper() for d in index.devices if d)
+    return any(graph.on_gpu(d) for d in index.devices if d)
 
 
 def _budget_bytes(state: config.State, index, env: Environment) -> Optional[int]:

@@ -2,6 +2,7 @@
 the tf.config-style setters."""
 
 import dataclasses
+import logging
 import math
 import os
 
@@ -418,6 +419,24 @@ def test_cpu_device_memory_is_ram():
     from sntf.runtime import environment
 
     assert environment.device_memory_bytes() == ram
+
+
+def test_a_gpu_budget_without_its_allocator_limit_warns_once(monkeypatch, caplog):
+    # Where fit() never read the allocator's limit, the CUDA runtime's total
+    # of the current GPU stands in for it; the user is told, once per GPU.
+    from sntf.runtime import environment
+
+    monkeypatch.setattr(environment, "_gpu_total", [8 << 30])
+    monkeypatch.setattr(environment, "_unread_warned", set())
+    monkeypatch.setattr(environment, "_device_limits", {"GPU:1": 6 << 30})
+    with caplog.at_level(logging.WARNING, logger="sntf"):
+        assert environment.device_memory_bytes("/device:GPU:1") == 6 << 30
+        assert not caplog.records                   # the limit was read: no warning
+        for _ in range(3):
+            assert environment.device_memory_bytes("/device:GPU:0") == 8 << 30
+    (record,) = caplog.records
+    assert "GPU:0" in record.getMessage() and "8192 MiB" in record.getMessage()
+    assert "budget in bytes" in record.getMessage()
 
 
 # --------------------------------------------------------------------------

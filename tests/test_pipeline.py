@@ -475,22 +475,6 @@ def test_cudnn_workspace_limit_is_the_headroom(budget, peak, expected):
     assert budget_planning.cudnn_workspace_limit_mb(budget, peak) == expected
 
 
-def test_cudnn_workspace_limit_is_set_for_gpu_graphs_only_once_and_not_over_the_user(
-        monkeypatch):
-    from sntf.runtime import environment
-
-    name = passes.CUDNN_WORKSPACE_ENV
-    monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(environment, "_set_by_sntf", {})
-    environment.apply_settings({name: 512})
-    assert os.environ[name] == "512"
-    environment.apply_settings({name: 256})          # sntf's own value: updated
-    assert os.environ[name] == "256"
-    monkeypatch.setenv(name, "64")                   # the user's value
-    environment.apply_settings({name: 1024})
-    assert os.environ[name] == "64"
-
-
 def test_a_training_graph_is_deferred_to_the_last_call_and_nothing_else():
     data = graphs.train_mlp().SerializeToString()
     recompute = config.State(enabled=True, policy="recompute")

@@ -261,6 +261,29 @@ def test_the_default_threshold_comes_down_where_small_tensors_hold_the_bytes():
         assert [s.tensor for s in fixed.swaps] == ([] if width < MIB // 4 else ["h1:0"])
 
 
+@pytest.mark.parametrize("device, waits", [("", True), ("/device:CPU:0", True),
+                                           ("/job:localhost/replica:0/task:0/device:GPU:0", False)])
+def test_forward_readers_wait_for_the_swap_out_only_on_a_cpu(device, waits):
+    """On a GPU the swap-out completes with its copy, which holds the tensor
+    by itself: a forward reader waiting for it would put the copy on the
+    compute path. On a CPU the readers wait, so the buffer dies with them."""
+    g, props, idx, facts, plan = swap_plan()
+    (recipe,) = plan.swaps
+    assert recipe.forward_readers == ("h2",)
+    for node in g.node:
+        node.device = device
+    nodes = {n.name: n for n in rewrite.apply_plan(g, plan).graph_def.node}
+    edge = "^" + names.swap_out_name("h1", 0)
+    assert (edge in nodes["h2"].input) == waits
+    placed = G.build_index(g, ["ret"])
+    dtypes = {(placed.node(n), p): o[0] for n, outs in props.items() for p, o in enumerate(outs)}
+    replanned = planner.plan_swap(placed, analysis.analyze(placed, props), dtypes, MIB, 1e9,
+                                  frozenset(placed.fetch))
+    (swapped,) = [d for d in replanned.decisions if d.action == planner.SWAP]
+    # The swap-out's transfer is exposed only where the readers wait for it.
+    assert (swapped.seconds_added >= swapped.bytes_saved / 1e9) == waits, swapped
+
+
 def test_edges_acyclic_sees_a_cycle_that_added_edges_close():
     """The check plan_swap runs over the edges of swap-ins timed by ops that
     are not their readers' ancestors: grad/relu -> h1 closes a cycle
@@ -362,20 +385,32 @@ def test_the_cache_headroom_is_the_budget_left_over_the_planned_peak():
         f"device (budget {10 * MIB} x (1 - margin 0.1) - {MIB // 2} held outside")
 
 
-def test_pass_with_a_budget_reports_the_cudnn_workspace_limit(monkeypatch):
+CUDNN_WORKSPACE_ENV = "TF_CUDNN_WORKSPACE_LIMIT_IN_MB"
+
+
+@pytest.mark.parametrize("device", ["", "/device:GPU:0"])
+def test_a_budget_reports_the_cudnn_workspace_limit_and_sets_nothing(monkeypatch, device):
+    # TensorFlow reads TF_CUDNN_WORKSPACE_LIMIT_IN_MB once per process, and
+    # the pass runs on Grappler's thread: the limit is reported, the
+    # environment left alone, through the plugin's own entry point.
+    from sntf.runtime import plugin
+
     g, props = dense_step()
-    monkeypatch.delenv(passes.CUDNN_WORKSPACE_ENV, raising=False)
+    for node in g.node:
+        node.device = device
+    monkeypatch.delenv(CUDNN_WORKSPACE_ENV, raising=False)
     state = config.State(enabled=True, policy="swap", budget=config.Budget(bytes=64 * MIB))
-    result = passes.run_pass(g.SerializeToString(), ["ret"], [], state,
-                               properties_fn(props))
-    report = result.report
+    monkeypatch.setattr(config, "current", lambda: state)
+    plugin.clear_reports()
+    for _ in range(2):       # Grappler's two iterations: the first is deferred
+        out = plugin._optimize(g.SerializeToString(), ["ret"], [], properties_fn(props))
+    assert out is not None
+    report = plugin.reports()[-1]
     assert report["action"] == "rewritten" and report["swapped"] == ["h1:0"], report
     assert report["cudnn_workspace_limit_mb"] == budget_planning.cudnn_workspace_limit_mb(
         64 * MIB, report["planned_peak_bytes"])
     assert "tensor cache" in report["reason"]
-    # A CPU graph: the limit is computed and reported, the environment untouched.
-    assert passes.CUDNN_WORKSPACE_ENV not in os.environ
-    assert {n.op for n in result.graph_def.node} >= {"SnCacheOut", "SnCacheIn"}
+    assert CUDNN_WORKSPACE_ENV not in os.environ
 
 
 def test_swap_source_parses_only_sntf_names():

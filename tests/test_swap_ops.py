@@ -366,8 +366,9 @@ def test_cache_ops_shapes():
 
 
 def test_gpu_pinning_is_not_attempted_without_a_gpu_kernel():
-    # Pinning starts when a GPU kernel of the swap ops is built; on a CPU-only
-    # machine none is, and the pool stays ordinary pageable memory.
+    # Pinning starts when a GPU kernel of the swap ops first runs (its
+    # copier's Prepare); on a CPU-only machine none does, and the pool stays
+    # ordinary pageable memory. That the GPU path pins only a GPU can show.
     assert _native.ops_cdll().sntf_gpu_pinning() == 0
     stats = _native.pool_stats()
     assert stats["pinned_regions"] == 0 and stats["pin_failures"] == 0

@@ -36,9 +36,12 @@ SwapCounters& Counters();
 
 // Allocates a host tensor shaped like `like` from sntf's pool. Its buffer
 // reports kHostPinned when it lies in a page-locked region and
-// kHostPageable otherwise, so that TensorFlow's device copies stage pageable
-// sources and destinations through pinned buffers (GPUUtil's NeedStaging in
-// gpu_util.cc reads Tensor::GetMemoryType()).
+// kHostPageable otherwise, so that TensorFlow's host-to-device copy (a
+// swap-in) stages a pageable source through a pinned buffer
+// (GPUUtil::CopyCPUTensorToGPU asks NeedStaging, which reads
+// Tensor::GetMemoryType()). Its device-to-host copy (a swap-out) does not
+// stage: into a region past the pin cap it is a plain copy into pageable
+// memory.
 tensorflow::Status AllocateParked(const tensorflow::Tensor& like,
                                   tensorflow::Tensor* parked);
 

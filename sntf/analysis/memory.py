@@ -29,7 +29,7 @@ from sntf.analysis.shapes import (Properties, SymbolicSize, concrete,
                                   resolve_symbolic_dims, rounded, shape_of, tensor_size)
 from sntf.graph import optable
 from sntf.graph.fusions import merged_kernels
-from sntf.graph.index import GraphIndex
+from sntf.graph.index import GraphIndex, on_gpu
 from sntf.graph.phases import BACKWARD, FORWARD, classify_phases
 from sntf.graph.training import handle_root
 
@@ -108,7 +108,7 @@ class Analysis:
         if not self.device_timelines:
             return self.timeline.device_bytes
         gpus = [series for device, series in sorted(self.device_timelines.items())
-                if "GPU" in device.upper()]
+                if on_gpu(device)]
         if gpus:
             return max(gpus, key=lambda series: max(series, default=0))
         top = max(self.device_timelines.values(), key=lambda series: max(series, default=0))

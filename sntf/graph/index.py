@@ -37,6 +37,12 @@ def parse_input(text: str) -> tuple[str, int, bool]:
     return text, 0, False
 
 
+def on_gpu(device: str) -> bool:
+    """Whether a node's device string ("/device:GPU:0", "GPU:1", a full
+    "/job:.../device:GPU:0") names a GPU."""
+    return "GPU" in device.upper()
+
+
 @dataclasses.dataclass(frozen=True)
 class GraphIndex:
     """Read-only adjacency over a GraphDef's nodes, addressed by position.

@@ -121,10 +121,11 @@ class Swap:
     dtype: int                       # DataType enum (the ops' T attr)
     groups: tuple[SwapGroup, ...]
     shape: Optional[tuple] = None    # static shape (-1: unknown dim; None: unknown rank)
-    # Forward readers of the tensor: they wait for the swap-out, so the copy
-    # is made while they hold the tensor anyway and the device buffer dies
-    # with its last forward reader (left alone, the executor may run the
-    # swap-out late and keep the buffer alive meanwhile).
+    # Forward readers of the tensor: on a CPU they wait for the swap-out, so
+    # the copy is made while they hold the tensor anyway and the device
+    # buffer dies with its last forward reader (left alone, the executor may
+    # run the swap-out late and keep the buffer alive meanwhile). On a GPU
+    # they do not: the copy would sit on the compute path (rewrite.apply).
     forward_readers: tuple[str, ...] = ()
 
 

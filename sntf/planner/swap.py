@@ -9,6 +9,7 @@ import itertools
 from typing import Optional, Union
 
 from sntf.graph import optable
+from sntf.graph.index import on_gpu
 from sntf.graph.phases import BACKWARD, FORWARD, waits_for_loss
 from sntf.graph.regions import step_regions
 from sntf.planner import heuristics
@@ -232,7 +233,8 @@ def _swap_one(s: _Setting, t: tuple, follow_early: bool) -> Union[str, tuple]:
                 f"{len(readers)} backward op(s); {len(groups)} swap-in(s), "
                 f"prefetched {transfer * 1e3:.3f} ms of transfer ahead"),
         bytes_saved=size,
-        seconds_added=_exposed_transfer(groups, transfer, g, s.step_of, s.elapsed))
+        seconds_added=_exposed_transfer(groups, transfer, g, s.step_of, s.elapsed,
+                                        g.devices[producer]))
     return recipe, decision
 
 
@@ -270,12 +272,12 @@ def _swap_groups(g, facts, readers, transfer, step_of, elapsed,
     return result
 
 
-def _exposed_transfer(groups, transfer, g, step_of, elapsed) -> float:
-    """Predicted extra time: the swap-out's transfer (the tensor's forward
-    readers wait for it, see Swap.forward_readers), plus each swap-in's
-    transfer not hidden behind the ops between its trigger and its first
-    reader."""
-    exposed = transfer
+def _exposed_transfer(groups, transfer, g, step_of, elapsed, device: str) -> float:
+    """Predicted extra time: on a CPU the swap-out's transfer (the tensor's
+    forward readers wait for it, see Swap.forward_readers; on a GPU they do
+    not), plus each swap-in's transfer not hidden behind the ops between
+    its trigger and its first reader."""
+    exposed = 0.0 if on_gpu(device) else transfer
     for group in groups:
         start = step_of[g.node(group.trigger)]
         end = step_of[g.node(group.consumers[0][0])]

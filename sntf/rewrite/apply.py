@@ -12,7 +12,7 @@ import dataclasses
 
 from sntf import planner
 from sntf.graph import names
-from sntf.graph.index import parse_input
+from sntf.graph.index import on_gpu, parse_input
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,13 +92,8 @@ def _apply_swap(out, nodes: dict, recipe: planner.Swap, cache_budget) -> None:
     if cached:
         swap_out.attr["budget"].i = int(cache_budget)
         swap_out.attr["uses"].i = len(recipe.groups)
-    for reader in recipe.forward_readers:
-        node = _node(nodes, reader)
-        # A reader on another device already waits for the tensor through
-        # TensorFlow's Send/Recv; a control edge across devices on top of it
-        # would tie the devices' executors together for nothing.
-        if not (node.device and source.device and node.device != source.device):
-            node.input.append("^" + swap_out.name)
+    for reader in _waiting_readers(nodes, recipe, source):
+        reader.input.append("^" + swap_out.name)
     for j, group in enumerate(recipe.groups):
         _node(nodes, group.trigger)     # a missing trigger is a ValueError
         swap_in = _new_node(out, names.swap_in_name(producer, port, j),
@@ -110,6 +105,28 @@ def _apply_swap(out, nodes: dict, recipe: planner.Swap, cache_budget) -> None:
             _set_shape(swap_in.attr["shape"].shape, recipe.shape)
         for consumer, slot in group.consumers:
             _set_data_input(_node(nodes, consumer), slot, swap_in.name)
+
+
+def _waiting_readers(nodes: dict, recipe: planner.Swap, source) -> list:
+    """The forward readers that wait for the tensor's swap-out.
+
+    On a CPU the swap-out copies on the executor's thread, and left alone
+    the executor may run it after the forward readers, holding the buffer
+    meanwhile: the readers wait for it, so the copy is made while they hold
+    the tensor anyway. On a GPU the swap-out is an asynchronous kernel that
+    completes when its copy does, and the copy holds a reference to the
+    tensor until then, as TensorFlow's own device-to-host copy does
+    (GPUUtil::CopyGPUTensorToCPU keeps a TensorReference to its source): a
+    reader waiting for it would put the whole copy on the compute path. A
+    reader on another device already waits for the tensor through
+    TensorFlow's Send/Recv; a control edge across devices on top of it would
+    tie the devices' executors together for nothing.
+    """
+    if on_gpu(source.device):
+        return []
+    readers = [_node(nodes, name) for name in recipe.forward_readers]
+    return [r for r in readers
+            if not (r.device and source.device and r.device != source.device)]
 
 
 def _set_shape(proto, shape) -> None:

@@ -1,9 +1,10 @@
-"""What the graph pass reads of the process, gathered for it, and the
-settings it asks for, applied.
+"""What the graph pass reads of the process, gathered for it.
 
 The pass itself reads nothing global and changes nothing outside the graph
 (sntf.passes); this module is where TensorFlow's runtime, the environment
-variables and the CUDA runtime are touched on its behalf.
+variables and the CUDA runtime are read on its behalf. It sets no
+environment variable: the pass runs on Grappler's thread, where a write to
+os.environ races with other threads' getenv.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ _gpu_total: list = []
 _device_limits: dict = {}
 _memory_growth: dict = {}   # GPU name -> whether memory growth is on
 _limits_read: list = [False]
+_unread_warned: set = set()   # GPUs whose budget resolved without their limit
 _settings_lock = threading.Lock()
-_set_by_sntf: dict = {}       # environment variable -> the value sntf set
 # Name of the Keras model whose fit() is running (set by the Keras hook):
 # the plugin names that model's training graphs after it.
 _fit_model: list = [None]
@@ -116,18 +117,37 @@ def device_memory_bytes(device: str = "CPU:0") -> int:
       on a GPU what its BFC allocator may hand out, cut by memory_limit or a
       logical-device configuration; on CPU the limit of the BFC allocator
       under TF_CPU_BFC_MEM_LIMIT_IN_MB. Else, for a GPU, cudaMemGetInfo's
-      total of the current GPU (a warning says so once), and physical RAM
-      for the CPU or when the CUDA runtime cannot be asked.
+      total of the current GPU, with a warning once per device: it ignores
+      memory_limit and the device's index, and asking creates a CUDA
+      context on the calling thread. Physical RAM for the CPU or when the
+      CUDA runtime cannot be asked.
     """
+    short = _short_device(device)
     with _settings_lock:
-        limit = _device_limits.get(_short_device(device))
+        limit = _device_limits.get(short)
     if limit:
         return limit
-    if _short_device(device).startswith("GPU"):
+    if short.startswith("GPU"):
         total = _gpu_memory_bytes()
         if total:
+            _warn_unread_limit(short, total)
             return total
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _warn_unread_limit(device: str, total: int) -> None:
+    """Says once per device that its budget resolves against the CUDA
+    runtime's total, and how to have the allocator's limit read instead."""
+    with _settings_lock:
+        if device in _unread_warned:
+            return
+        _unread_warned.add(device)
+    logger.warning(
+        "budget fractions and 'auto' on %s resolve against the CUDA runtime's "
+        "total of the current GPU (%d MiB), not TensorFlow's allocator limit for "
+        "%s: that limit is read when Keras fit() starts, or by sntf.enable() once "
+        "TensorFlow's devices exist. Call sntf.enable() after building the model, "
+        "or give the budget in bytes.", device, total >> 20, device)
 
 
 def allocator_limit(device: str) -> Optional[int]:
@@ -272,18 +292,3 @@ def current():
                        allocator_grows=allocator_grows,
                        xla_auto_jit=xla.auto_clustering_on(),
                        inter_op_threads=inter_op_threads())
-
-
-def apply_settings(settings: dict) -> None:
-    """Applies the runtime settings a pass asked for: environment variables
-    read by kernels built from now on. A value the user set is left alone."""
-    for name, value in settings.items():
-        with _settings_lock:
-            ours = _set_by_sntf.get(name, "")
-            if os.environ.get(name, "") not in ("", ours):
-                continue
-            os.environ[name] = str(value)
-            if ours != str(value):
-                logger.info("%s=%s (budget headroom over the planned peak)",
-                            name, value)
-            _set_by_sntf[name] = str(value)

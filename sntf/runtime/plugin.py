@@ -249,7 +249,6 @@ def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
                 gc.enable()
         report = result.report
         _name_graph(report, graph_bytes)
-        environment.apply_settings(result.settings)
         for warning in result.warnings:
             _log_once(warning, _renamed(warning, report))
         if result.deferred:
