@@ -36,6 +36,7 @@ from sntf.planner import budget as budget_planning
 from sntf.planner import heuristics, modes
 from sntf.planner.backward import backward_read_by_buffer, backward_read_tensors, tensor_name
 from sntf.planner.context import Context
+from sntf.planner.memory_order import memory_order
 from sntf.planner.order import plan_gradient_order, plan_sequence
 from sntf.planner.plan import KEEP, Plan, acting, identity_plan, keep
 from sntf.planner.swap import default_min_bytes
@@ -350,13 +351,9 @@ def _pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
         # plan as it was, with the reason in its notes.
         try:
             merges = merge_members(planned.index) if ctx.onednn else None
-            orders = plan_sequence(planned.index, planned.facts, least, merges)
+            orders, pinned, kind = _sequenced(outcome, planned, ctx, least, merges)
             if not orders:
                 return outcome
-            # The edges name the planned graph's nodes (clones and swap-ins
-            # included), so they are applied to it, not to the base graph.
-            pinned = ctx.evaluate(Plan(policy=outcome.plan.policy, orders=orders),
-                                  planned)
         except Exception as e:  # noqa: BLE001 - an optional stage never fails a plan
             return noted(outcome, f"order: edges not applied: {type(e).__name__}: {e}")
         plan = dataclasses.replace(outcome.plan, orders=outcome.plan.orders + orders)
@@ -376,7 +373,7 @@ def _pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
     held = dataclasses.replace(
         outcome, plan=dataclasses.replace(plan, notes=plan.notes + (
             f"order: {len(orders)} edge(s) hold the ops that allocate or free "
-            f"{least} bytes or more to the planned order",)),
+            f"{least} bytes or more to the {kind}",)),
         planned=pinned, cache_headroom=headroom, pinned=True)
     if ctx.budget is None or not outcome.fields.get("budget_fits"):
         return held
@@ -392,6 +389,26 @@ def _pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
             f"bytes into the budget's margin: no plan fits the target with them"))
     return dataclasses.replace(noted(outcome, _dropped_note(orders, planned, pinned)),
                                held_in_margin=in_margin)
+
+
+def _sequenced(outcome: Outcome, planned, ctx: Context, least: int, merges) -> tuple:
+    """(order edges, the graph chained by them analyzed, which order they
+    hold): the executor's order as planned, or a memory-aware order of the
+    same ops (memory_order) where the graph chained to it plans lower."""
+    def chained(facts):
+        orders = plan_sequence(planned.index, facts, least, merges)
+        # The edges name the planned graph's nodes (clones and swap-ins
+        # included), so they are applied to it, not to the base graph.
+        return orders, (ctx.evaluate(Plan(policy=outcome.plan.policy, orders=orders),
+                                     planned) if orders else None)
+
+    orders, pinned = chained(planned.facts)
+    reordered = memory_order(planned.index, planned.facts)
+    if reordered is not None:
+        other, tried = chained(reordered)
+        if tried is not None and (pinned is None or tried.peak < pinned.peak):
+            return other, tried, "memory-aware order"
+    return orders, pinned, "planned order"
 
 
 def _dropped_note(orders: tuple, planned, pinned) -> str:

@@ -175,7 +175,14 @@ def _budget(value):
 
 
 def replay(entry: Entry, cfg: dict) -> dict:
-    """Runs the pass on an entry under a configuration; returns its outcome.
+    """Runs the pass on an entry under a configuration; returns its outcome."""
+    result = run(entry, cfg)
+    return outcome(result.report, result.graph_def)
+
+
+def run(entry: Entry, cfg: dict):
+    """The pass's result (sntf.passes.PassResult) on an entry under a
+    configuration.
 
     The pass is given the entry's captured surroundings (batch, allocator
     bytes in use, device memory, threads, oneDNN) instead of this process's.
@@ -196,6 +203,5 @@ def replay(entry: Entry, cfg: dict) -> dict:
         threads=entry.threads, onednn=entry.onednn, runtime_batch=entry.runtime_batch,
         device_memory=lambda device: entry.device_memory_bytes,
         in_use=lambda device: entry.in_use_bytes)
-    result = passes.run_pass(entry.graph, entry.fetch, entry.preserve, state,
-                             properties, env, defer=False)
-    return outcome(result.report, result.graph_def)
+    return passes.run_pass(entry.graph, entry.fetch, entry.preserve, state,
+                           properties, env, defer=False)
