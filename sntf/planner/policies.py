@@ -7,7 +7,8 @@ Combinators decide how the answers become one plan:
 
     Then(a, b)       a, then b over the graph a left; a stage that would not
                      lower the planned peak is not applied
-    LowerOf(a, b)    the lower planned peak of a and b (a on a tie)
+    LowerOf(a, b)    the lower planned peak of a and b, each held to its
+                     order (a on a tie)
     FitBudget(a, b)  per buffer keep, or one of a's or b's answers, the least
                      predicted time that fits the budget; without a budget,
                      its fallback policy
@@ -162,26 +163,14 @@ class Then:
 
 @dataclasses.dataclass(frozen=True)
 class LowerOf:
-    """The composition planned lower of two (the first on a tie)."""
+    """The composition planned lower of two, each with its order edges (the
+    first on a tie); see _finished."""
 
     parts: tuple
 
     @property
     def label(self) -> str:
         return self.parts[0].label
-
-    def run(self, base, ctx: Context) -> _Run:
-        first, second = self.parts
-        run = first.run(base, ctx)
-        other = second.run(base, ctx)
-        if other.current.peak < run.current.peak:
-            other.notes = other.notes + [
-                f"{first.label} planned {run.current.peak} bytes, {second.label} alone "
-                f"{other.current.peak}: {second.label} alone applied"]
-            for tensor, reasons in run.kept.items():
-                other.kept.setdefault(tensor, []).extend(reasons)
-            return other
-        return run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,8 +225,28 @@ def plan(policy: str, base, ctx: Context, name: str = "") -> Outcome:
         if ctx.budget is not None:
             return _fitted_in_order(base, ctx, name)
         composition = composition.fallback
-    return _standing(_pinned(_gradients_first(
-        _composed(policy, composition, base, ctx), ctx), base, ctx), base, ctx, policy)
+    return _standing(_finished(policy, composition, base, ctx), base, ctx, policy)
+
+
+def _finished(policy: str, composition, base, ctx: Context) -> Outcome:
+    """A composition's outcome with weight gradients first and held to its
+    order (_gradients_first, _pinned).
+
+    The two parts of a LowerOf are compared finished: the order edges lower
+    some plans far more than others (the zoo's GPT planned 50.4 MiB with
+    recompute then swap and 52.6 with swap alone; held to a memory-aware
+    order, 48.4 and 38.8)."""
+    if isinstance(composition, LowerOf):
+        first, second = (_finished(policy, part, base, ctx) for part in composition.parts)
+        ours, theirs = (o.planned.peak if o.planned is not None else base.peak
+                        for o in (first, second))
+        if theirs < ours:
+            label = composition.parts[1].label
+            return noted(second, f"{composition.parts[0].label} planned {ours} bytes, "
+                                 f"{label} alone {theirs}: {label} alone applied")
+        return first
+    return _pinned(_gradients_first(_composed(policy, composition, base, ctx), ctx),
+                   base, ctx)
 
 
 def _standing(outcome: Outcome, base, ctx: Context, policy: str) -> Outcome:
