@@ -2,8 +2,8 @@
 
 `run_pass` is a pure function of its arguments: the switch state and what
 it may read of the process around it (the Environment) are passed in, and
-what it wants done outside the graph (a runtime setting, a warning to log)
-comes back in the result. It never raises for a graph: internal failures
+what it wants done outside the graph (a warning to log) comes back in the
+result. It never raises for a graph: internal failures
 come back as a result whose graph is None (meaning "leave the graph
 unchanged") and whose report says why.
 """
@@ -239,6 +239,8 @@ def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,
             report["device_limit_fits"] = True
             return planner.Outcome(planner.identity_plan(state.policy, fits))
     ctx = _context(state, env, budget, index, report)
+    if room is not None:
+        ctx = dataclasses.replace(ctx, memory_order=False)
     outcome = planner.plan(state.policy, base, ctx, report["graph"])
     if room is None:
         return outcome
@@ -266,7 +268,8 @@ def _context(state: config.State, env: Environment, budget: Optional[int], index
         # One inter-op thread runs the step in one order already; holding
         # the analysis' emulation of it to the letter measured higher
         # (CHANGELOG, "Rewritten graphs hold their planned order").
-        pin_order=state.options.pin_order and env.inter_op_threads != 1)
+        pin_order=state.options.pin_order and env.inter_op_threads != 1,
+        memory_order=budget is None)
 
 
 def _record_plan(outcome: planner.Outcome, base: Optional[Analyzed],
@@ -386,6 +389,8 @@ def _budget_bytes(state: config.State, index, env: Environment) -> Optional[int]
     and for budget "auto" on a CPU graph whose allocator has no limit)."""
     if state.budget is None:
         return None
+    if state.budget.bytes is not None:
+        return state.budget.bytes      # asking the device's memory would be for nothing
     device = graph_device(index)
     if state.budget.auto and device.startswith("CPU"):
         limit = env.allocator_limit(device)

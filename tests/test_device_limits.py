@@ -450,3 +450,15 @@ def test_which_allocators_grow(monkeypatch):
     assert not environment.allocator_grows("/device:GPU:1")
     monkeypatch.setenv("TF_FORCE_GPU_ALLOW_GROWTH", "true")
     assert environment.allocator_grows("GPU:1")
+
+
+def test_a_budget_in_bytes_never_asks_the_device():
+    # Asking would, on a GPU without a read limit, warn about fractions and
+    # probe the CUDA runtime from Grappler's thread, for a number not used.
+    def device_memory(device):
+        raise AssertionError(f"asked {device}'s memory for a budget in bytes")
+
+    index = graph.build_index(mlp_step()[0], ["ret"])
+    state = config.State(enabled=True, policy="auto", budget=config.Budget(bytes=64 << 20))
+    env = passes.Environment(device_memory=device_memory)
+    assert passes._budget_bytes(state, index, env) == 64 << 20

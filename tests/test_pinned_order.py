@@ -429,6 +429,7 @@ def test_the_memory_aware_order_frees_before_it_allocates():
     assert chained.peak <= base.peak - (1 << 20) + (64 << 10)
 
 
+@pytest.mark.slow
 def test_pinned_edges_hold_a_memory_aware_order_where_it_plans_lower():
     """A normalization's backward pass holds several activation-sized
     gradient terms and a swapped-in input at once in the executor's order;
@@ -447,7 +448,7 @@ def test_pinned_edges_hold_a_memory_aware_order_where_it_plans_lower():
     assert report["planned_peak_bytes"] <= 1.5 * report["lower_bound_bytes"], report["reason"]
 
 
-
+@pytest.mark.slow
 def test_under_a_budget_the_edges_hold_the_executors_order():
     """The prediction of a budget plan sizes the tensor cache's headroom, so
     it must be one the run reaches: held to the memory-aware order, the
@@ -466,6 +467,7 @@ def test_under_a_budget_the_edges_hold_the_executors_order():
     assert "to the planned order" in report["reason"], report["reason"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["zoo-gpt", "zoo-vit"])
 def test_swap_and_recompute_never_plans_above_swap_alone(name):
     """swap+recompute is the lower of recompute-then-swap and swap alone;
@@ -482,3 +484,33 @@ def test_swap_and_recompute_never_plans_above_swap_alone(name):
                                         "options": {}}).report["planned_peak_bytes"]
              for policy in ("swap", "swap+recompute")}
     assert peaks["swap+recompute"] <= peaks["swap"], peaks
+
+
+@pytest.mark.slow
+def test_under_a_device_limit_the_edges_hold_the_executors_order():
+    """Under an allocator's limit the allocator model judges the plan's
+    prediction, which must be one the run reaches, as under a budget."""
+    import os
+
+    from sntf import passes
+    from sntf.testing import corpus
+
+    entry = corpus.load(os.path.join(os.path.dirname(__file__), "corpus", "graphs",
+                                     "zoo-vit.json.gz"))
+    props = entry.properties
+    reports = {}
+    for limit in (None, 48 << 20):
+        env = passes.Environment(
+            threads=entry.threads, onednn=entry.onednn, runtime_batch=entry.runtime_batch,
+            device_memory=lambda device: entry.device_memory_bytes,
+            in_use=lambda device: entry.in_use_bytes,
+            allocator_limit=lambda device, limit=limit: limit)
+        state = config.State(enabled=True, policy="auto")
+        reports[limit] = passes.run_pass(
+            entry.graph, entry.fetch, entry.preserve, state,
+            lambda names: {n: props[n] for n in names if n in props}, env,
+            defer=False).report
+    assert "memory-aware order" in reports[None]["reason"], reports[None]["reason"]
+    limited = reports[48 << 20]
+    assert limited["device_limit_bytes"] == 48 << 20 and limited["action"] == "rewritten"
+    assert "to the planned order" in limited["reason"], limited["reason"]

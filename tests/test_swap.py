@@ -8,7 +8,7 @@ import pytest
 
 from conftest import assert_identical, train_family
 from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder, properties_fn
-from sntf import analysis, config, passes, planner, rewrite
+from sntf import analysis, config, planner, rewrite
 from sntf.graph import names
 from sntf.planner import budget as budget_planning
 from sntf.planner import heuristics
@@ -261,8 +261,9 @@ def test_the_default_threshold_comes_down_where_small_tensors_hold_the_bytes():
         assert [s.tensor for s in fixed.swaps] == ([] if width < MIB // 4 else ["h1:0"])
 
 
-@pytest.mark.parametrize("device, waits", [("", True), ("/device:CPU:0", True),
-                                           ("/job:localhost/replica:0/task:0/device:GPU:0", False)])
+@pytest.mark.parametrize("device, waits", [
+    ("", True), ("/device:CPU:0", True), ("/job:gpu_workers/replica:0/task:0/device:CPU:0", True),
+    ("/job:localhost/replica:0/task:0/device:GPU:0", False), ("/GPU:0", False)])
 def test_forward_readers_wait_for_the_swap_out_only_on_a_cpu(device, waits):
     """On a GPU the swap-out completes with its copy, which holds the tensor
     by itself: a forward reader waiting for it would put the copy on the

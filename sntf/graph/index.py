@@ -38,9 +38,19 @@ def parse_input(text: str) -> tuple[str, int, bool]:
 
 
 def on_gpu(device: str) -> bool:
-    """Whether a node's device string ("/device:GPU:0", "GPU:1", a full
-    "/job:.../device:GPU:0") names a GPU."""
-    return "GPU" in device.upper()
+    """Whether a node's device string names a GPU.
+
+    Args:
+      device: "/device:GPU:0", "GPU:1", a full "/job:.../device:GPU:0", or "".
+
+    Returns:
+      Whether its last component's device type is GPU (a job's name that
+      happens to say "gpu" does not count).
+    """
+    last = device.rsplit("/", 1)[-1].upper()
+    if last.startswith("DEVICE:"):
+        last = last[len("DEVICE:"):]
+    return last.startswith("GPU")
 
 
 @dataclasses.dataclass(frozen=True)

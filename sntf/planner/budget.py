@@ -82,8 +82,9 @@ def cache_note(facts, budget: int, outside: int = 0, margin: float = 0.0) -> str
 
 
 def cudnn_workspace_limit_mb(budget: int, planned_peak: int) -> int:
-    """The cuDNN workspace limit a budget leaves: the headroom between the
-    planned peak and the budget, in MiB, at least MIN_CUDNN_WORKSPACE_MB.
+    """The cuDNN workspace limit a budget suggests (reported; sntf sets
+    none): the headroom between the planned peak and the budget, in MiB, at
+    least MIN_CUDNN_WORKSPACE_MB.
 
     Args:
       budget: the device budget in bytes.

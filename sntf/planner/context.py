@@ -49,6 +49,10 @@ class Context:
         (the report's field), or None.
       pin_order: chain a rewritten graph's memory-heavy ops in the planned
         order (sntf.planner.order.plan_sequence).
+      memory_order: the chain may hold a memory-aware order instead of the
+        executor's (sntf.planner.memory_order). Off under a budget or a
+        device's allocator limit, where the plan's prediction decides what
+        fits and must be one the run reaches.
     """
 
     evaluate: Evaluate
@@ -65,6 +69,7 @@ class Context:
     region_reserve: int = 0
     stage_seconds: Optional[dict] = None
     pin_order: bool = True
+    memory_order: bool = True
 
     @contextlib.contextmanager
     def timed(self, stage: str):

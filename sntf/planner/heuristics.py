@@ -81,6 +81,7 @@ DEVICE_REFITS = 6
 # Under such a limit the tensor cache's headroom is halved until the
 # allocator model fits it; below this many bytes it is none.
 DEVICE_CACHE_MIN_BYTES = 1 << 20
-# Below this cuDNN is left its smallest algorithms only; 0 would forbid any
+# The least cuDNN workspace limit the report suggests (sntf sets none): below
+# it cuDNN is left its smallest algorithms only, and 0 would forbid any
 # workspace and fail some convolutions outright.
 MIN_CUDNN_WORKSPACE_MB = 32

@@ -21,6 +21,7 @@ import heapq
 from typing import Optional
 
 from sntf.analysis.memory import SCRATCH_PORT
+from sntf.graph import optable
 
 
 def memory_order(g, facts) -> Optional[object]:
@@ -78,7 +79,11 @@ def _list_schedule(g, facts, rank: dict, readers: dict, reads: dict,
                    kept: dict) -> Optional[list]:
     """Ready ops by least bytes left allocated, then executor order; None
     if some op never becomes ready."""
-    pending = {node: len(g.data_inputs[node]) + len(g.control_inputs[node])
+    # A loop's back edges (NextIteration -> Merge) are not waited for, as
+    # in the executor's order (analysis.schedule).
+    back = {n for n in rank if g.ops[n] in optable.NEXT_ITERATION_OPS}
+    pending = {node: sum(1 for p in [p for p, _ in g.data_inputs[node]]
+                         + list(g.control_inputs[node]) if p not in back)
                for node in rank}
     remaining = {buffer: set(nodes) for buffer, nodes in readers.items()}
     version = dict.fromkeys(rank, 0)
@@ -106,6 +111,8 @@ def _list_schedule(g, facts, rank: dict, readers: dict, reads: dict,
                     version[other] += 1
                     heapq.heappush(heap, (score(other), rank[other], other,
                                           version[other]))
+        if node in back:
+            continue
         for c in [c for c, _, _ in g.consumers[node]] + list(g.control_consumers[node]):
             if c in pending and pending[c] > 0:
                 pending[c] -= 1

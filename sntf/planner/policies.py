@@ -21,9 +21,11 @@ The user's policies are compositions (POLICIES):
     "swap+recompute"  LowerOf(Then(recompute, swap), Then(swap))
     "auto"            FitBudget(recompute, swap, fallback="swap+recompute")
 
-Whatever a composition rewrote is then held to its planned order by order
+Whatever a composition rewrote is then held to an order by order
 edges (order.plan_sequence; option pin_order), where the analysis of the
-chained graph stands behind them. Without a budget, a rewritten graph that
+chained graph stands behind them: the executor's order, or without a
+budget or device limit a memory-aware one where that plans lower
+(memory_order). Without a budget, a rewritten graph that
 plans less than option min_gain (5%) below the original is not applied.
 """
 
@@ -56,7 +58,8 @@ class Outcome:
         the device may keep (the rewrite writes it onto the cache ops).
       fields: report fields the policy fills (budget_fits, ...).
       warnings: messages to log once.
-      pinned: whether order edges hold the planned order (_pinned).
+      pinned: whether order edges hold the planned order, the executor's
+        or a memory-aware one (_pinned, _sequenced).
       held_in_margin: where order edges were dropped only because they
         would take a plan that fits its budget over its target, the outcome
         with them (its peak still under the budget); else None.
@@ -346,7 +349,7 @@ def _composed(policy: str, composition, base, ctx: Context) -> Outcome:
 
 def _pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
     """The outcome with the rewritten graph's large allocations and frees
-    held to the planned order (plan_sequence), where the analysis stands
+    held to an order (plan_sequence, _sequenced), where the analysis stands
     behind it: the chained graph, analyzed, plans no higher than the
     unchained one, give or take what one unchained op allocates, and a plan
     that fits its budget still fits its target (else held_in_margin)."""
@@ -402,15 +405,15 @@ def _pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
 
 def _sequenced(outcome: Outcome, planned, ctx: Context, least: int, merges) -> tuple:
     """(order edges, the graph chained by them analyzed, which order they
-    hold): the executor's order as planned, or, without a budget, a
+    hold): the executor's order as planned, or, where ctx.memory_order, a
     memory-aware order of the same ops (memory_order) where the graph
     chained to it plans lower.
 
-    Under a budget the plan's prediction sizes the tensor cache's headroom,
-    so a prediction the run does not reach fills the budget's margin: the
-    zoo's SE-ResNet at half TensorFlow's peak, held to the memory-aware
-    order, planned 0.82 of what it measured, and measured 1.11 times a
-    budget it was said to fit."""
+    Not under a budget or a device limit: there the plan's prediction
+    decides what fits (and sizes the tensor cache's headroom), so it must be
+    one the run reaches. The zoo's SE-ResNet at half TensorFlow's peak, held
+    to the memory-aware order, planned 0.82 of what it measured and
+    measured 1.11 times a budget it was said to fit."""
     def chained(facts):
         orders = plan_sequence(planned.index, facts, least, merges)
         # The edges name the planned graph's nodes (clones and swap-ins
@@ -419,11 +422,15 @@ def _sequenced(outcome: Outcome, planned, ctx: Context, least: int, merges) -> t
                                      planned) if orders else None)
 
     orders, pinned = chained(planned.facts)
-    reordered = memory_order(planned.index, planned.facts) if ctx.budget is None else None
-    if reordered is not None:
-        other, tried = chained(reordered)
-        if tried is not None and (pinned is None or tried.peak < pinned.peak):
-            return other, tried, "memory-aware order"
+    if not ctx.memory_order:
+        return orders, pinned, "planned order"
+    try:
+        reordered = memory_order(planned.index, planned.facts)
+        other, tried = chained(reordered) if reordered is not None else ((), None)
+    except Exception:  # noqa: BLE001 - the executor's order stands
+        return orders, pinned, "planned order"
+    if tried is not None and (pinned is None or tried.peak < pinned.peak):
+        return other, tried, "memory-aware order"
     return orders, pinned, "planned order"
 
 

@@ -57,7 +57,9 @@ def plan_swap(g, facts, dtypes: dict, min_bytes: Optional[int], bandwidth: float
 
     A forward tensor of at least `min_bytes` that the backward pass reads is
     copied to the host pool by a swap-out (the device copy then dies after
-    its last forward reader) and brought back by a swap-in before its first
+    its last forward reader; on a GPU, whose readers do not wait for the
+    swap-out, once its copy completes too, which the analysis does not
+    model: it has not run on one) and brought back by a swap-in before its first
     backward reader. The swap-in is released by a control edge from the
     backward op a prefetch distance earlier: far enough back that the
     estimated compute of the ops in between covers the transfer at

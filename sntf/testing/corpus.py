@@ -180,12 +180,18 @@ def replay(entry: Entry, cfg: dict) -> dict:
     return outcome(result.report, result.graph_def)
 
 
-def run(entry: Entry, cfg: dict):
-    """The pass's result (sntf.passes.PassResult) on an entry under a
-    configuration.
+def run(entry: Entry, cfg: dict) -> "passes.PassResult":
+    """The pass's result on an entry under a configuration.
 
     The pass is given the entry's captured surroundings (batch, allocator
     bytes in use, device memory, threads, oneDNN) instead of this process's.
+
+    Args:
+      entry: a corpus entry (load).
+      cfg: a configuration: policy, budget and options (see Config).
+
+    Returns:
+      The sntf.passes.PassResult, report and graph.
     """
     from sntf import config as sntf_config
     from sntf import passes
