@@ -238,9 +238,10 @@ def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,
         if fits is not None:
             report["device_limit_fits"] = True
             return planner.Outcome(planner.identity_plan(state.policy, fits))
-    ctx = _context(state, env, budget, index, report)
-    if room is not None:
-        ctx = dataclasses.replace(ctx, memory_order=False)
+    # A budget's or a device limit's "fits" is judged on the prediction, so
+    # it must be of an order the run reaches: the executor's.
+    ctx = dataclasses.replace(_context(state, env, budget, index, report),
+                              memory_order=budget is None and room is None)
     outcome = planner.plan(state.policy, base, ctx, report["graph"])
     if room is None:
         return outcome
@@ -268,8 +269,7 @@ def _context(state: config.State, env: Environment, budget: Optional[int], index
         # One inter-op thread runs the step in one order already; holding
         # the analysis' emulation of it to the letter measured higher
         # (CHANGELOG, "Rewritten graphs hold their planned order").
-        pin_order=state.options.pin_order and env.inter_op_threads != 1,
-        memory_order=budget is None)
+        pin_order=state.options.pin_order and env.inter_op_threads != 1)
 
 
 def _record_plan(outcome: planner.Outcome, base: Optional[Analyzed],

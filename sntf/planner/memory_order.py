@@ -35,7 +35,8 @@ def memory_order(g, facts) -> Optional[object]:
     Returns:
       An Analysis whose schedule and buffer_intervals follow the new order
       (its other fields are those of `facts`, for order.plan_sequence), or
-      None for a graph with cycles or one the new order would not change.
+      None for a graph with cycles, one where some op never becomes ready,
+      or one the new order would not change.
     """
     if g.has_cycles:
         return None
