@@ -129,6 +129,60 @@ def test_skip_connection_add_reuses_the_skip_buffer():
     assert a.predicted_peak_bytes == 3 * KIB
 
 
+@pytest.mark.parametrize("op", ["_UnaryOpsComposition", "Erfc", "Sigmoid"])
+def test_unary_kernels_write_into_the_input_they_read_last(op):
+    # The exact GELU's gradient runs Erfc and, after Grappler's arithmetic
+    # optimizer, a _UnaryOpsComposition (Neg, Exp); both forward their
+    # input (forward_input_or_allocate_output), as every UnaryOp does.
+    g = (GraphBuilder().arg("x").op("MaxPool", "a", ["x"]).op(op, "b", ["a"])
+         .op("MaxPool", "c", ["b"]).retval("ret", "c").build())
+    props = {n: f32(256) for n in ("x", "a", "b", "c")}
+    a = analyze(g, props)
+    assert (G.build_index(g).node("b"), 0) not in a.buffer_intervals
+    assert interval(a, g, "a") == (1, 3)
+    assert a.predicted_peak_bytes == 2 * KIB
+
+
+_UNARY_PEAKS = """
+import json, os, sys
+os.environ.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPU_ALLOCATOR_USE_BFC="true")
+import tensorflow as tf
+v = tf.Variable(tf.fill([1 << 20], 0.25))
+extra = {}
+for op in sys.argv[1:]:
+    kernel = getattr(tf.raw_ops, op)
+    @tf.function
+    def step():
+        x = v + v                       # a fresh 4 MiB buffer, read once
+        return tf.reduce_sum(kernel(x=x))
+    step()                              # trace and warm up
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    step()
+    extra[op] = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+print("RESULT " + json.dumps(extra))
+"""
+
+
+def test_every_unary_forwarding_op_measures_one_buffer(fresh_python, tmp_path):
+    # The forwarding table against TensorFlow: each single-input op in it,
+    # run on a fresh 4 MiB tensor nothing else reads, must peak at that one
+    # buffer (an op that allocated its output would peak at two).
+    import tensorflow as tf
+    import inspect
+
+    unary = [op for op in sorted(optable.FORWARDING_OPS)
+             if hasattr(tf.raw_ops, op)
+             and set(inspect.signature(getattr(tf.raw_ops, op)).parameters) == {"x", "name"}]
+    assert {"Erfc", "Sigmoid", "Exp", "Square"} <= set(unary)
+    script = tmp_path / "unary_peaks.py"
+    script.write_text(_UNARY_PEAKS)
+    extra = fresh_python(args=[str(script), *unary]).result()
+    buffer = 4 << 20
+    assert {op: peak for op, peak in extra.items()
+            if not buffer <= peak < 2 * buffer} == {}
+
+
 def test_aliases_share_one_buffer_and_extend_its_life():
     g = (GraphBuilder().arg("x").op("MaxPool", "a", ["x"])
          .op("Reshape", "r", ["a", "shape"]).const("shape", [256], graphs.DT_INT32)

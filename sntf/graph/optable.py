@@ -115,10 +115,15 @@ METADATA_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 # ticket (the planned peak assumes the cache copies every tensor).
 FREE_OPS = frozenset({"_Arg", "NoOp", "VarHandleOp", "Placeholder", "SnSwapOut",
                       "SnCacheOut"})
-# Element-wise kernels that write into an input buffer they read last.
+# Element-wise kernels that write into an input buffer they read last
+# (forward_input_or_allocate_output): TensorFlow's UnaryOp and BinaryOp
+# kernels and the composition Grappler's remapper fuses unary chains into.
+# oneDNN's _MklSwish allocates its output, so it is not one of them.
 FORWARDING_OPS = frozenset({
     "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid", "Softplus",
     "Neg", "Abs", "Exp", "Log", "Sqrt", "Rsqrt", "Square", "Reciprocal", "Erf",
+    "Erfc", "Expm1", "Log1p", "Sin", "Cos", "Tan", "Atan", "Softsign",
+    "_UnaryOpsComposition",
     "Cast", "AddV2", "Add", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum",
     "Minimum", "SquaredDifference", "BiasAdd", "ReluGrad", "Relu6Grad",
     "TanhGrad", "SigmoidGrad", "EluGrad", "LeakyReluGrad", "SeluGrad",
