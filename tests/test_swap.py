@@ -13,7 +13,7 @@ from sntf.graph import names
 from sntf.planner import budget as budget_planning
 from sntf.planner import heuristics
 from sntf.planner.backward import backward_read_by_buffer
-from sntf.planner.swap import default_min_bytes
+from sntf.planner.swap import default_min_bytes, threshold_at_peak
 from sntf import graph as G
 
 from sntf.testing.workers import measure_peak  # noqa: E402
@@ -259,6 +259,39 @@ def test_the_default_threshold_comes_down_where_small_tensors_hold_the_bytes():
         _, _, default = planned_swaps(g, props, None)
         assert [s.tensor for s in default.swaps] == ["h1:0"], default.decisions
         assert [s.tensor for s in fixed.swaps] == ([] if width < MIB // 4 else ["h1:0"])
+
+
+def test_the_threshold_reaches_the_kept_activations_at_the_planned_peak():
+    """threshold_at_peak names the size that reaches a kept activation live
+    at the peak (h1, 512 KiB, under a 1 MiB threshold), and nothing where
+    the threshold already reaches it."""
+    g, props = dense_step(MIB // 8)
+    idx, facts, _ = planned_swaps(g, props, MIB)
+    h1 = facts.buffer_of((idx.node("h1"), 0))
+    start, stop = facts.buffer_intervals[h1]
+    assert start <= facts.peak_step <= stop
+    assert threshold_at_peak(idx, facts, MIB) == MIB // 2
+    assert threshold_at_peak(idx, facts, MIB // 2) is None
+
+
+@pytest.mark.slow
+def test_the_swap_stage_reaches_small_tensors_held_at_the_peak():
+    """The zoo's U-Net keeps half-MiB encoder outputs across its decoder:
+    under the 1 MiB default threshold they stayed on the device, live at
+    the planned peak (21.0 MiB, 1.98 times its lower bound). The threshold
+    that reaches them is tried too, and its plan is lower."""
+    import os
+
+    from sntf.testing import corpus
+
+    entry = corpus.load(os.path.join(os.path.dirname(__file__), "corpus", "graphs",
+                                     "zoo-unet_transpose.json.gz"))
+    report = corpus.run(entry, {"policy": "swap+recompute", "budget": None,
+                                "options": {}}).report
+    assert report["action"] == "rewritten", report["reason"]
+    swapped = [d for d in report["plan"]["decisions"] if d["action"] == "swap"]
+    assert any(d["bytes_saved"] < heuristics.SWAP_MIN_BYTES for d in swapped), report["reason"]
+    assert report["planned_peak_bytes"] <= 1.8 * report["lower_bound_bytes"], report["reason"]
 
 
 @pytest.mark.parametrize("device, waits", [

@@ -42,7 +42,7 @@ from sntf.planner.context import Context
 from sntf.planner.memory_order import memory_order
 from sntf.planner.order import plan_gradient_order, plan_sequence
 from sntf.planner.plan import KEEP, Plan, acting, identity_plan, keep
-from sntf.planner.swap import default_min_bytes
+from sntf.planner.swap import default_min_bytes, threshold_at_peak
 
 OFF_NOTE = "policy 'off': graph left as TensorFlow built it"
 
@@ -119,13 +119,27 @@ class Stage:
                 tried.append(heuristics.SWAP_MIN_BYTES)
             best = None
             for min_bytes in reversed(tried):   # the usual threshold wins a tie
-                plan = budget_planning.swap_stage(
-                    base, dataclasses.replace(ctx, swap_min_bytes=min_bytes), ctx.budget)
-                planned = ctx.evaluate(plan, base)
-                if best is None or (planned is not None and (
-                        best[1] is None or planned.peak < best[1].peak)):
-                    best = (plan, planned)
-            return best
+                best = _lower_swap(best, base, ctx, min_bytes)
+            # Where that plan's peak still holds kept activations below its
+            # threshold (a U-Net's half-MiB skips), the threshold reaching
+            # them is tried too; its plan stands only if it plans lower.
+            reach = (threshold_at_peak(best[1].index, best[1].facts, best[2])
+                     if ctx.swap_min_bytes is None and best[1] is not None else None)
+            if reach is not None:
+                best = _lower_swap(best, base, ctx, reach)
+            return best[:2]
+
+
+def _lower_swap(best: Optional[tuple], base, ctx: Context, min_bytes: int) -> tuple:
+    """(plan, planned, threshold): the swap plan at min_bytes where it plans
+    lower than best's (or best is None), else best."""
+    plan = budget_planning.swap_stage(
+        base, dataclasses.replace(ctx, swap_min_bytes=min_bytes), ctx.budget)
+    planned = ctx.evaluate(plan, base)
+    if best is None or (planned is not None and (
+            best[1] is None or planned.peak < best[1].peak)):
+        return plan, planned, min_bytes
+    return best
 
 
 @dataclasses.dataclass(frozen=True)

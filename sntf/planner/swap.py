@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 from typing import Optional, Union
 
+from sntf.analysis.memory import ACTIVATION
 from sntf.graph import optable
 from sntf.graph.index import on_gpu
 from sntf.graph.phases import BACKWARD, FORWARD, waits_for_loss
@@ -140,6 +141,27 @@ def default_min_bytes(facts, backward_read: dict) -> int:
             return min(heuristics.SWAP_MIN_BYTES,
                        max(heuristics.SWAP_MIN_FLOOR_BYTES, size))
     return heuristics.SWAP_MIN_BYTES
+
+
+def threshold_at_peak(g, facts, min_bytes: int) -> Optional[int]:
+    """The swap threshold that reaches the kept activations live at a
+    planned graph's peak, or None where none is below min_bytes.
+
+    Args:
+      g, facts: a planned (rewritten) graph's index and analysis.
+      min_bytes: the threshold its swap plan was made with.
+
+    Returns:
+      The smallest such activation's bytes, at least SWAP_MIN_FLOOR_BYTES,
+      or None.
+    """
+    step = facts.peak_step
+    sizes = [size for buffer, size in facts.buffer_bytes.items()
+             if heuristics.SWAP_MIN_FLOOR_BYTES <= size < min_bytes
+             and facts.buffer_class.get(buffer) == ACTIVATION
+             and facts.buffer_intervals.get(buffer, (step + 1, 0))[0] <= step
+             <= facts.buffer_intervals[buffer][1]]
+    return min(sizes, default=None)
 
 
 def _serves_early_readers(g, recipes) -> bool:
