@@ -117,7 +117,8 @@ FREE_OPS = frozenset({"_Arg", "NoOp", "VarHandleOp", "Placeholder", "SnSwapOut",
                       "SnCacheOut"})
 # Element-wise kernels that write into an input buffer they read last
 # (forward_input_or_allocate_output): TensorFlow's UnaryOp and BinaryOp
-# kernels and the composition Grappler's remapper fuses unary chains into.
+# kernels and the _UnaryOpsComposition Grappler's arithmetic optimizer fuses
+# unary chains into.
 # oneDNN's _MklSwish allocates its output, so it is not one of them.
 FORWARDING_OPS = frozenset({
     "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid", "Softplus",

@@ -156,11 +156,11 @@ def threshold_at_peak(g, facts, min_bytes: int) -> Optional[int]:
       or None.
     """
     step = facts.peak_step
-    sizes = [size for buffer, size in facts.buffer_bytes.items()
-             if heuristics.SWAP_MIN_FLOOR_BYTES <= size < min_bytes
+    sizes = [size for buffer, (start, stop) in facts.buffer_intervals.items()
+             if start <= step <= stop
              and facts.buffer_class.get(buffer) == ACTIVATION
-             and facts.buffer_intervals.get(buffer, (step + 1, 0))[0] <= step
-             <= facts.buffer_intervals[buffer][1]]
+             and heuristics.SWAP_MIN_FLOOR_BYTES <= (
+                 size := facts.buffer_bytes.get(buffer, 0)) < min_bytes]
     return min(sizes, default=None)
 
 
