@@ -119,9 +119,10 @@ def main(argv):
 
 if __name__ == "__main__":
     _define_flags()
-    # Allowed only when these are set before TensorFlow is imported.
-    lab = any(a in ("--settings=lab", "lab") for a in sys.argv)
-    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0" if lab else "1")
-    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    FLAGS(sys.argv)
+    # measure_peak's settings, which hold only when set before TensorFlow
+    # is imported (the module imports no TensorFlow).
+    from sntf.testing.workers import measure_peak
+
+    os.environ.update(measure_peak.SETTINGS[FLAGS.settings])
     app.run(main)

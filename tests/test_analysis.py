@@ -145,11 +145,11 @@ def test_unary_kernels_write_into_the_input_they_read_last(op):
 
 _UNARY_PEAKS = """
 import json, os, sys
-os.environ.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPU_ALLOCATOR_USE_BFC="true")
+os.environ.update(TF_ENABLE_ONEDNN_OPTS=sys.argv[1], TF_CPU_ALLOCATOR_USE_BFC="true")
 import tensorflow as tf
 v = tf.Variable(tf.fill([1 << 20], 0.25))
 extra = {}
-for op in sys.argv[1:]:
+for op in sys.argv[2:]:
     kernel = getattr(tf.raw_ops, op)
     @tf.function
     def step():
@@ -164,10 +164,12 @@ print("RESULT " + json.dumps(extra))
 """
 
 
-def test_every_unary_forwarding_op_measures_one_buffer(fresh_python, tmp_path):
+@pytest.mark.parametrize("onednn", ["0", "1"])
+def test_every_unary_forwarding_op_measures_one_buffer(fresh_python, tmp_path, onednn):
     # The forwarding table against TensorFlow: each single-input op in it,
     # run on a fresh 4 MiB tensor nothing else reads, must peak at that one
-    # buffer (an op that allocated its output would peak at two).
+    # buffer (an op that allocated its output would peak at two), with
+    # oneDNN's rewrites off and on (the user's default).
     import tensorflow as tf
     import inspect
 
@@ -177,7 +179,7 @@ def test_every_unary_forwarding_op_measures_one_buffer(fresh_python, tmp_path):
     assert {"Erfc", "Sigmoid", "Exp", "Square"} <= set(unary)
     script = tmp_path / "unary_peaks.py"
     script.write_text(_UNARY_PEAKS)
-    extra = fresh_python(args=[str(script), *unary]).result()
+    extra = fresh_python(args=[str(script), onednn, *unary]).result()
     buffer = 4 << 20
     assert {op: peak for op, peak in extra.items()
             if not buffer <= peak < 2 * buffer} == {}
