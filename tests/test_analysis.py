@@ -358,6 +358,63 @@ def test_bfc_model_counts_whole_chunks_and_coalesces():
     assert bfc.bin_for_size(1 << 20) == 12
 
 
+def test_a_variable_that_adopts_its_update_moves_the_next_steps_chunks():
+    # A 1 MiB variable v and its new value u (an AssignVariableOp that reads
+    # u last adopts u's buffer). The first step: a (3 MiB) takes a fresh
+    # 4 MiB region whole; b (0.5 MiB) splits the 1 MiB left beside v; u
+    # comes from a new 8 MiB region. When u is handed over, v's old chunk
+    # is freed and region 0 is one free 2 MiB chunk. In the second step b
+    # splits it and u is served, unsplit, from the 1.5 MiB that is left:
+    # 0.5 MiB more in use than the first step ever held.
+    m = 1 << 20
+    sizes = {("v", 0): m, ("a", 0): 3 * m, ("b", 0): m // 2, ("u", 0): m}
+    intervals = {("a", 0): (0, 2), ("b", 0): (1, 2), ("u", 0): (1, 2)}
+    def run(handover):
+        return bfc.simulate(sizes, {("v", 0)}, intervals, 4, lambda b: False,
+                            handover=handover)
+    one = run(None)
+    assert one == (5 * m, 13 * m // 2, 13 * m // 2, m)
+    two = run({("u", 0): ("v", 0)})
+    assert two == (5 * m, 7 * m, 7 * m, 3 * m // 2)   # v now holds u's 1.5 MiB chunk
+
+
+def _momentum_update(late_reader: bool):
+    """m.assign(read(m) * 0.9 - g), as Keras' SGD updates its momentum,
+    with (late_reader) one more reader of the new value after the assign."""
+    b = (GraphBuilder()
+         .arg("m", DT_RESOURCE)
+         .arg("g")
+         .read("r", "m")
+         .const("mom", 0.9)
+         .op("Mul", "mul", ["r", "mom"], T=DT_FLOAT)
+         .op("Sub", "sub", ["mul", "g"], T=DT_FLOAT)
+         .op("AssignVariableOp", "assign", ["m", "sub"], dtype=DT_FLOAT))
+    if late_reader:
+        b.op("Neg", "late", ["sub", "^assign"], T=DT_FLOAT)
+        b.retval("late_retval", "late")
+    else:
+        b.op("Identity", "done", ["g", "^assign"], T=DT_FLOAT)
+        b.retval("done_retval", "done")
+    props = {name: f32(1 << 18) for name in ("g", "r", "mul", "sub", "late", "done")}
+    props["m"] = [(DT_RESOURCE, ())]
+    props["mom"] = [(DT_FLOAT, ())]
+    return b.build(), props
+
+
+@pytest.mark.parametrize("late_reader", [False, True])
+def test_an_assign_that_reads_its_value_last_hands_the_buffer_over(late_reader):
+    g, props = _momentum_update(late_reader)
+    idx = G.build_index(g)
+    a = analysis.analyze(idx, props)
+    value = a.buffers[(idx.node("sub"), 0)]      # Sub wrote into Mul's buffer
+    assert value == (idx.node("mul"), 0)
+    variable = a.buffers[(idx.node("r"), 0)]
+    assert variable in a.persistent_buffers
+    # A reader after the assign keeps the value's refcount above one, and
+    # TensorFlow's kernel copies the value into the variable instead.
+    assert a.handover == ({} if late_reader else {value: variable})
+
+
 def test_op_classes_and_costs():
     assert optable.op_class("_FusedConv2D") == optable.CHECKPOINT
     assert optable.op_class("Relu") == optable.CHEAP

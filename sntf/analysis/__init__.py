@@ -10,6 +10,7 @@ set of a single op.
     schedule  the executor's order
     costs     op times and scratch memory
     memory    liveness, the timeline, the predicted peak and the lower bound
+    facts     the Analysis it returns
     bfc       a model of TensorFlow's BFC allocator
 """
 

@@ -169,13 +169,21 @@ class BfcModel:
 
 def simulate(buffer_bytes: dict, persistent, intervals: dict, end: int,
              is_scratch: Callable[[tuple], bool], limit: Optional[int] = None,
-             outside: int = 0, grows: bool = True) -> tuple[int, ...]:
+             outside: int = 0, grows: bool = True,
+             handover: Optional[dict] = None) -> tuple[int, ...]:
     """Bytes the allocator reports in use at each step of a schedule.
 
     What the device holds outside the graph (`outside` bytes), then the
     persistent buffers, are allocated first (they exist before the step);
     within a step, outputs are allocated, then scratch, then scratch and
     dead inputs are freed.
+
+    With `handover`, the step runs twice, as training runs it: a variable
+    update that takes its new value's buffer (an AssignVariableOp whose
+    value no one else reads) frees the variable's old buffer instead, so
+    the variables move to where the first step's updates were allocated,
+    and the second step's large buffers are served from what that leaves.
+    Each step's figure is the larger of the two runs'.
 
     Args:
       buffer_bytes: buffer -> bytes.
@@ -187,6 +195,8 @@ def simulate(buffer_bytes: dict, persistent, intervals: dict, end: int,
       outside: bytes held outside the graph.
       grows: the allocator grows by regions from 2 MiB (allow_growth, the
         CPU's); else its first region is the whole limit (a GPU's default).
+      handover: buffer -> the persistent buffer it becomes when it dies
+        (None or empty: one step).
 
     Returns:
       Bytes in use at every step.
@@ -196,28 +206,48 @@ def simulate(buffer_bytes: dict, persistent, intervals: dict, end: int,
     """
     first = INITIAL_REGION_BYTES if grows or limit is None else limit
     sim = BfcModel(initial_region_bytes=first, limit=limit)
+    # OutOfMemory.step stays -1 here: what exists before the step.
+    if outside:
+        sim.allocate(outside)
+    held = {b: sim.allocate(buffer_bytes[b]) for b in sorted(persistent)}
+    allocs = collections.defaultdict(list)
+    frees = collections.defaultdict(list)
+    for b, (start, stop) in intervals.items():
+        # Scratch last in, first out; outputs by node and port.
+        allocs[start].append((is_scratch(b), b))
+        if stop < end:
+            frees[stop].append((not is_scratch(b), b))
+    handover = handover or {}
+    series = _run_step(sim, buffer_bytes, allocs, frees, end, held, handover)
+    if handover:
+        series = tuple(max(a, b) for a, b in zip(
+            series, _run_step(sim, buffer_bytes, allocs, frees, end, held, handover)))
+    return series
+
+
+def _run_step(sim: BfcModel, buffer_bytes: dict, allocs: dict, frees: dict, end: int,
+              held: dict, handover: dict) -> tuple[int, ...]:
+    """Runs one step's allocations and frees on `sim`; frees what is live at
+    its end but persistent. held: persistent buffer -> its chunk, updated
+    where a dying buffer is handed over to a persistent one."""
+    where = {}
+    series = []
     step = -1
     try:
-        if outside:
-            sim.allocate(outside)
-        for b in sorted(persistent):
-            sim.allocate(buffer_bytes[b])
-        allocs = collections.defaultdict(list)
-        frees = collections.defaultdict(list)
-        for b, (start, stop) in intervals.items():
-            # Scratch last in, first out; outputs by node and port.
-            allocs[start].append((is_scratch(b), b))
-            if stop < end:
-                frees[stop].append((not is_scratch(b), b))
-        where = {}
-        series = []
         for step in range(end):
             for _, b in sorted(allocs.get(step, ())):
                 where[b] = sim.allocate(buffer_bytes[b])
             series.append(sim.in_use)
             for _, b in sorted(frees.get(step, ())):
-                sim.free(where.pop(b))
+                target = handover.get(b)
+                if target in held:
+                    sim.free(held[target])
+                    held[target] = where.pop(b)
+                else:
+                    sim.free(where.pop(b))
     except OutOfMemory as e:
         e.step = step
         raise
+    for b in sorted(where):
+        sim.free(where[b])
     return tuple(series)

@@ -18,9 +18,8 @@ memory by (the op, SCRATCH_PORT).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import os
-from typing import Mapping, Optional
+from typing import Optional
 
 from sntf.analysis import bfc
 from sntf.analysis.costs import DEFAULT_COST_MODEL, CostModel, op_seconds, workspace_bytes
@@ -29,115 +28,13 @@ from sntf.analysis.shapes import (Properties, SymbolicSize, concrete,
                                   resolve_symbolic_dims, rounded, shape_of, tensor_size)
 from sntf.graph import optable
 from sntf.graph.fusions import merged_kernels
-from sntf.graph.index import GraphIndex, on_gpu
+from sntf.graph.index import GraphIndex
 from sntf.graph.phases import BACKWARD, FORWARD, classify_phases
 from sntf.graph.training import handle_root
 
-VARIABLE_PORT = -2   # buffer key (handle root, -2): a variable's own buffer
-SCRATCH_PORT = -1    # buffer key (node, -1): an op's scratch memory
-
-# Buffer classes.
-PERSISTENT, ACTIVATION, GRADIENT, TEMPORARY = (
-    "persistent", "activation", "gradient", "temporary")
-TENSOR_CLASSES = (PERSISTENT, ACTIVATION, GRADIENT, TEMPORARY)
-
-
-@dataclasses.dataclass(frozen=True)
-class Timeline:
-    """Bytes live at every schedule step, total and per buffer class."""
-
-    steps: tuple[int, ...]            # node index run at each step
-    live_bytes: tuple[int, ...]       # while the step runs (inputs + outputs)
-    device_bytes: tuple[int, ...]     # what the allocator reports in use (chunks)
-    by_class: Mapping[str, tuple[int, ...]]
-    backward_start: Optional[int]     # first step of the backward pass
-    checkpoint_steps: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Analysis:
-    """Everything the planner needs to know about one training graph.
-
-    Each field says what it is keyed by: a node index, a schedule step, a
-    tensor (node, port), or a buffer (the tensor that allocated it).
-    """
-
-    batch: Optional[int]
-    schedule: tuple[int, ...]                                    # step -> node
-    node_phases: tuple[str, ...]                                 # node -> phase
-    buffer_bytes: Mapping[tuple[int, int], int]                  # buffer -> bytes
-    buffer_class: Mapping[tuple[int, int], str]                  # buffer -> class
-    buffer_intervals: Mapping[tuple[int, int], tuple[int, int]]  # buffer -> (alloc, free) steps
-    buffers: Mapping[tuple[int, int], tuple[int, int]]           # tensor -> its buffer
-    persistent_bytes: int
-    timeline: Timeline
-    predicted_peak_bytes: int
-    peak_step: int
-    lower_bound_bytes: int
-    lower_bound_step: int
-    step_seconds: tuple[float, ...]                              # step -> seconds
-    unknown_sizes: int
-    # Bytes of the variables the graph reads (part of persistent_bytes):
-    # allocated before the step, by whoever created the variables.
-    variable_bytes: int = 0
-    # The buffers that exist before the step (variables, constants).
-    persistent_buffers: frozenset = frozenset()
-    # Graphs placed on several devices (one replica per device under
-    # tf.distribute): each device's own allocator timeline (bytes in use at
-    # every step), its buffers being those of the nodes placed on it. Empty
-    # for a single-device graph.
-    device_timelines: Mapping[str, tuple[int, ...]] = dataclasses.field(
-        default_factory=dict)
-
-    @property
-    def device_peak_bytes(self) -> dict:
-        """Device -> its predicted peak (multi-device graphs; else empty)."""
-        return {d: max(series, default=0) for d, series in self.device_timelines.items()}
-
-    @property
-    def budget_timeline(self) -> tuple[int, ...]:
-        """The bytes in use a memory budget applies to, at every step.
-
-        One device: the graph's timeline. Several (replicas under
-        tf.distribute): each GPU has its own memory, so the timeline of the
-        GPU that peaks highest. Logical CPU devices share the process's one
-        CPU allocator, and replicas run in lockstep, so their peaks
-        coincide: n times the highest device's timeline (the single merged
-        timeline would put the replicas' peaks one after the other).
-        """
-        if not self.device_timelines:
-            return self.timeline.device_bytes
-        gpus = [series for device, series in sorted(self.device_timelines.items())
-                if on_gpu(device)]
-        if gpus:
-            return max(gpus, key=lambda series: max(series, default=0))
-        top = max(self.device_timelines.values(), key=lambda series: max(series, default=0))
-        return tuple(len(self.device_timelines) * b for b in top)
-
-    @property
-    def budget_peak_bytes(self) -> int:
-        """The peak a memory budget applies to (see budget_timeline); the
-        reports' predicted and planned peaks are this figure."""
-        if not self.device_timelines:
-            return self.predicted_peak_bytes
-        return max(self.budget_timeline, default=self.predicted_peak_bytes)
-
-    def buffer_of(self, tensor: tuple[int, int]) -> Optional[tuple[int, int]]:
-        """The buffer a tensor (node, port) lives in, or None (no memory)."""
-        return self.buffers.get(tensor)
-
-    def summary(self) -> dict:
-        """Headline figures as plain data."""
-        return {
-            "batch": self.batch,
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-            "lower_bound_bytes": self.lower_bound_bytes,
-            "persistent_bytes": self.persistent_bytes,
-            "peak_step": self.peak_step,
-            "steps": len(self.schedule),
-            "backward_start": self.timeline.backward_start,
-            "unknown_sizes": self.unknown_sizes,
-        }
+from sntf.analysis.facts import (  # noqa: F401 (the module's public names)
+    ACTIVATION, GRADIENT, PERSISTENT, SCRATCH_PORT, TEMPORARY, TENSOR_CLASSES,
+    VARIABLE_PORT, Analysis, Timeline)
 
 
 def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
@@ -171,7 +68,9 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
     end = len(order)
     intervals = live.intervals()
     by_class, total = _class_series(live, klass, intervals, end)
-    device = _simulate(live.buffer_bytes, live.persistent, intervals, end)
+    handover = live.handover()
+    device = _simulate(live.buffer_bytes, live.persistent, intervals, end,
+                       handover=handover)
     peak_step = max(range(end), key=lambda s: device[s]) if end else 0
     peak = device[peak_step] if end else live.persistent_bytes()
     lower, lower_step, seconds = _lower_bound_and_costs(live, batch, cost_model)
@@ -184,7 +83,7 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
                                and phases[i] == FORWARD))
     return Analysis(
         device_timelines=_device_timelines(g, live.buffer_bytes, live.persistent,
-                                           intervals, end),
+                                           intervals, end, handover),
         batch=batch, schedule=order, node_phases=phases,
         buffer_bytes=dict(live.buffer_bytes), buffer_class=klass,
         buffer_intervals=intervals, buffers=dict(live.owner),
@@ -194,7 +93,7 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
         step_seconds=tuple(seconds), unknown_sizes=unknown,
         variable_bytes=sum(live.buffer_bytes[b] for b in live.persistent
                            if b[1] == VARIABLE_PORT),
-        persistent_buffers=frozenset(live.persistent))
+        persistent_buffers=frozenset(live.persistent), handover=handover)
 
 
 def _sizes(g: GraphIndex, properties, batch: Optional[int]) -> tuple[dict, int]:
@@ -368,6 +267,24 @@ class _Liveness:
                 self.buffer_alloc[b] = s
                 self.buffer_free[b] = s
 
+    def handover(self) -> dict:
+        """Buffer -> the variable buffer it becomes: the value of an
+        AssignVariableOp that reads it last, which the kernel adopts
+        (forward_input) instead of copying it into the variable."""
+        found = {}
+        for i, op in enumerate(self.g.ops):
+            inputs = self.g.data_inputs[i]
+            if op != optable.ASSIGN_VARIABLE_OP or len(inputs) < 2 or i not in self.step_of:
+                continue
+            b = self.owner.get(inputs[1])
+            target = (handle_root(self.g, inputs[0][0]), VARIABLE_PORT)
+            if (b is not None and b not in self.persistent and target in self.persistent
+                    and self.buffer_free.get(b) == self.step_of[i]
+                    and self.buffer_bytes[b] == self.buffer_bytes[target]
+                    and not any(t in self.fetched for t in self.owner.tensors[b])):
+                found[b] = target
+        return found
+
     def persistent_bytes(self) -> int:
         return sum(self.buffer_bytes[b] for b in self.persistent)
 
@@ -463,14 +380,14 @@ def runs_out_of_memory(analysis: Analysis, limit: int, outside: int = 0, grows: 
     sizes, intervals = lifetimes or (analysis.buffer_bytes, analysis.buffer_intervals)
     try:
         _simulate(sizes, analysis.persistent_buffers, intervals, len(analysis.schedule),
-                  limit=limit, outside=outside, grows=grows)
+                  limit=limit, outside=outside, grows=grows, handover=analysis.handover)
     except bfc.OutOfMemory as e:
         return e.step
     return None
 
 
 def _device_timelines(g: GraphIndex, buffer_bytes: dict, persistent: set,
-                      intervals: dict, end: int) -> dict:
+                      intervals: dict, end: int, handover: dict) -> dict:
     """Bytes in use per device and step, for a graph on several devices.
 
     A buffer belongs to the device of the node that owns it (a variable's to
@@ -485,7 +402,8 @@ def _device_timelines(g: GraphIndex, buffer_bytes: dict, persistent: set,
         mine = {b for b in buffer_bytes if g.devices[b[0]] == device}
         timelines[device] = _simulate(
             buffer_bytes, persistent & mine,
-            {b: span for b, span in intervals.items() if b in mine}, end)
+            {b: span for b, span in intervals.items() if b in mine}, end,
+            handover={b: v for b, v in handover.items() if b in mine and v in mine})
     return timelines
 
 

@@ -100,7 +100,7 @@ def cached_peak(g: GraphIndex, facts, headroom: int) -> int:
     """
     sizes, intervals = cached_lifetimes(g, facts, headroom)
     series = bfc.simulate(sizes, facts.persistent_buffers, intervals, len(facts.schedule),
-                          lambda b: b[1] == SCRATCH_PORT)
+                          lambda b: b[1] == SCRATCH_PORT, handover=facts.handover)
     return max(series, default=facts.persistent_bytes)
 
 

@@ -61,6 +61,8 @@ REF_SCATTER_OPS = frozenset({
 REF_VARIABLE_OPS = frozenset({"Variable", "VariableV2", "TemporaryVariable"})
 # The read of a resource variable: its output shares the variable's buffer.
 READ_VARIABLE_OP = "ReadVariableOp"
+# Adopts its value's buffer when it is the value's last reader.
+ASSIGN_VARIABLE_OP = "AssignVariableOp"
 
 
 def is_update_op(op: str) -> bool:

@@ -1,0 +1,125 @@
+"""What an analysis says about a graph: its buffers, their classes and
+intervals, the memory timeline, the predicted peak and the lower bound.
+
+Buffers are keyed by the tensor (node, port) that allocated them; a
+variable's buffer by (its handle's root, VARIABLE_PORT), an op's scratch
+memory by (the op, SCRATCH_PORT). sntf.analysis.memory computes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Optional
+
+from sntf.graph.index import on_gpu
+
+VARIABLE_PORT = -2   # buffer key (handle root, -2): a variable's own buffer
+SCRATCH_PORT = -1    # buffer key (node, -1): an op's scratch memory
+
+# Buffer classes.
+PERSISTENT, ACTIVATION, GRADIENT, TEMPORARY = (
+    "persistent", "activation", "gradient", "temporary")
+TENSOR_CLASSES = (PERSISTENT, ACTIVATION, GRADIENT, TEMPORARY)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """Bytes live at every schedule step, total and per buffer class."""
+
+    steps: tuple[int, ...]            # node index run at each step
+    live_bytes: tuple[int, ...]       # while the step runs (inputs + outputs)
+    device_bytes: tuple[int, ...]     # what the allocator reports in use (chunks)
+    by_class: Mapping[str, tuple[int, ...]]
+    backward_start: Optional[int]     # first step of the backward pass
+    checkpoint_steps: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """Everything the planner needs to know about one training graph.
+
+    Each field says what it is keyed by: a node index, a schedule step, a
+    tensor (node, port), or a buffer (the tensor that allocated it).
+    """
+
+    batch: Optional[int]
+    schedule: tuple[int, ...]                                    # step -> node
+    node_phases: tuple[str, ...]                                 # node -> phase
+    buffer_bytes: Mapping[tuple[int, int], int]                  # buffer -> bytes
+    buffer_class: Mapping[tuple[int, int], str]                  # buffer -> class
+    buffer_intervals: Mapping[tuple[int, int], tuple[int, int]]  # buffer -> (alloc, free) steps
+    buffers: Mapping[tuple[int, int], tuple[int, int]]           # tensor -> its buffer
+    persistent_bytes: int
+    timeline: Timeline
+    predicted_peak_bytes: int
+    peak_step: int
+    lower_bound_bytes: int
+    lower_bound_step: int
+    step_seconds: tuple[float, ...]                              # step -> seconds
+    unknown_sizes: int
+    # Bytes of the variables the graph reads (part of persistent_bytes):
+    # allocated before the step, by whoever created the variables.
+    variable_bytes: int = 0
+    # The buffers that exist before the step (variables, constants).
+    persistent_buffers: frozenset = frozenset()
+    # Graphs placed on several devices (one replica per device under
+    # tf.distribute): each device's own allocator timeline (bytes in use at
+    # every step), its buffers being those of the nodes placed on it. Empty
+    # for a single-device graph.
+    device_timelines: Mapping[str, tuple[int, ...]] = dataclasses.field(
+        default_factory=dict)
+    # Buffer -> the variable buffer it becomes where it dies: the value of
+    # an AssignVariableOp that is its last reader (TensorFlow's kernel then
+    # adopts the value's buffer and frees the variable's old one).
+    handover: Mapping[tuple[int, int], tuple[int, int]] = dataclasses.field(
+        default_factory=dict)
+
+    @property
+    def device_peak_bytes(self) -> dict:
+        """Device -> its predicted peak (multi-device graphs; else empty)."""
+        return {d: max(series, default=0) for d, series in self.device_timelines.items()}
+
+    @property
+    def budget_timeline(self) -> tuple[int, ...]:
+        """The bytes in use a memory budget applies to, at every step.
+
+        One device: the graph's timeline. Several (replicas under
+        tf.distribute): each GPU has its own memory, so the timeline of the
+        GPU that peaks highest. Logical CPU devices share the process's one
+        CPU allocator, and replicas run in lockstep, so their peaks
+        coincide: n times the highest device's timeline (the single merged
+        timeline would put the replicas' peaks one after the other).
+        """
+        if not self.device_timelines:
+            return self.timeline.device_bytes
+        gpus = [series for device, series in sorted(self.device_timelines.items())
+                if on_gpu(device)]
+        if gpus:
+            return max(gpus, key=lambda series: max(series, default=0))
+        top = max(self.device_timelines.values(), key=lambda series: max(series, default=0))
+        return tuple(len(self.device_timelines) * b for b in top)
+
+    @property
+    def budget_peak_bytes(self) -> int:
+        """The peak a memory budget applies to (see budget_timeline); the
+        reports' predicted and planned peaks are this figure."""
+        if not self.device_timelines:
+            return self.predicted_peak_bytes
+        return max(self.budget_timeline, default=self.predicted_peak_bytes)
+
+    def buffer_of(self, tensor: tuple[int, int]) -> Optional[tuple[int, int]]:
+        """The buffer a tensor (node, port) lives in, or None (no memory)."""
+        return self.buffers.get(tensor)
+
+    def summary(self) -> dict:
+        """Headline figures as plain data."""
+        return {
+            "batch": self.batch,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "lower_bound_bytes": self.lower_bound_bytes,
+            "persistent_bytes": self.persistent_bytes,
+            "peak_step": self.peak_step,
+            "steps": len(self.schedule),
+            "backward_start": self.timeline.backward_start,
+            "unknown_sizes": self.unknown_sizes,
+        }
