@@ -185,6 +185,71 @@ def test_every_unary_forwarding_op_measures_one_buffer(fresh_python, tmp_path, o
             if not buffer <= peak < 2 * buffer} == {}
 
 
+def _summed_then_reshaped(reshaped: int):
+    """g = MaxPool(x); s = Sum(g, axes) of unknown shape, as under an
+    unknown batch; r = Reshape(s) to `reshaped` floats; MatMul(MaxPool(r), r)
+    reads r last."""
+    g = (GraphBuilder().arg("x").op("MaxPool", "g", ["x"])
+         .const("axes", [], graphs.DT_INT32).op("Sum", "s", ["g", "axes"])
+         .const("shape", [reshaped], graphs.DT_INT32).op("Reshape", "r", ["s", "shape"])
+         .op("MaxPool", "b", ["r"]).op("MatMul", "d", ["b", "r"])
+         .retval("ret", "d").build())
+    props = {"x": f32(256), "g": f32(256), "s": [(DT_FLOAT, None)], "r": f32(reshaped),
+             "b": f32(reshaped), "d": f32(4), "axes": [(graphs.DT_INT32, (0,))],
+             "shape": [(graphs.DT_INT32, (1,))]}
+    return g, props
+
+
+@pytest.mark.parametrize("reshaped, alias", [(256, True), (4, False)])
+def test_a_reduction_over_nothing_is_its_input(reshaped, alias):
+    # The gradient of a residual Add under an unknown batch: Sum over the
+    # axes BroadcastGradientArgs returns (none, when the operands' shapes
+    # match), then Reshape to the operand's shape. TensorFlow's Sum returns
+    # its input's buffer there, which lives on through the Reshape; a Sum
+    # that reduces (the control) has a buffer of its own.
+    g, props = _summed_then_reshaped(reshaped)
+    idx = G.build_index(g)
+    a = analysis.analyze(idx, props)
+    summed, grad = a.buffers.get((idx.node("s"), 0)), a.buffers[(idx.node("g"), 0)]
+    assert (summed == grad) is alias
+    if alias:
+        assert a.buffer_intervals[grad][1] == a.schedule.index(idx.node("d"))
+
+
+_EMPTY_SUM = """
+import json, os
+os.environ.update(TF_CPU_ALLOCATOR_USE_BFC="true")
+import tensorflow as tf
+spec = [tf.TensorSpec([None, 1024], tf.float32), tf.TensorSpec([None], tf.int32)]
+@tf.function(input_signature=spec)
+def step(x, axes):
+    y = x + x                           # a fresh 4 MiB buffer
+    return tf.reduce_sum(tf.reshape(tf.reduce_sum(y, axes), [-1]))
+x = tf.fill([1024, 1024], 0.5)
+extra = {}
+for name, axes in (("none", []), ("rows", [0])):
+    axes = tf.constant(axes, tf.int32)
+    step(x, axes)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    step(x, axes)
+    extra[name] = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+print("RESULT " + json.dumps(extra))
+"""
+
+
+def test_a_sum_over_no_axes_measures_no_buffer_of_its_own(fresh_python, tmp_path):
+    # What the rule above stands on, measured: a Sum over no axes adds
+    # nothing to its input's 4 MiB (a kernel that allocated would reach 8),
+    # and reshaping a Sum over the rows adds a small output of its own.
+    script = tmp_path / "empty_sum.py"
+    script.write_text(_EMPTY_SUM)
+    extra = fresh_python(args=[str(script)]).result()
+    buffer = 4 << 20
+    assert buffer <= extra["none"] < buffer + (64 << 10), extra
+    assert buffer + 4096 <= extra["rows"] < 2 * buffer, extra
+
+
 def test_aliases_share_one_buffer_and_extend_its_life():
     g = (GraphBuilder().arg("x").op("MaxPool", "a", ["x"])
          .op("Reshape", "r", ["a", "shape"]).const("shape", [256], graphs.DT_INT32)

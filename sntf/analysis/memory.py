@@ -192,6 +192,9 @@ class _Liveness:
     def _place(self, s: int, i: int, t) -> None:
         """Decides the buffer of output t of node i, run at step s."""
         op, inputs, owner = self.g.ops[i], self.g.data_inputs[i], self.owner
+        if op in optable.REDUCTION_OPS and t[1] == 0 and self._reduces_nothing(i):
+            owner[t] = owner[inputs[0]]
+            return
         if op in optable.FREE_OPS or self.sizes.get(t, 0) == 0:
             return
         if op in optable.ALIAS_OPS and inputs and inputs[0] in owner:
@@ -222,6 +225,20 @@ class _Liveness:
             b = self.owner.get(t)
             if b is not None:
                 self.buffer_free[b] = max(self.buffer_free.get(b, -1), s)
+
+    def _reduces_nothing(self, i: int) -> bool:
+        """Whether reduction i keeps every element of its input: its output
+        is as large, or, its size unknown, every reader reshapes it to a
+        known size that is (a Reshape keeps the element count)."""
+        g, inputs = self.g, self.g.data_inputs[i]
+        need = self.sizes.get(inputs[0], 0) if inputs and inputs[0] in self.owner else 0
+        if not need:
+            return False
+        if self.sizes.get((i, 0), 0) == need:
+            return True
+        readers = [c for c, _, port in g.consumers[i] if port == 0]
+        return bool(readers) and all(g.ops[c] == "Reshape" and self.sizes.get((c, 0)) == need
+                                     for c in readers)
 
     def _reads_variable(self, producer: int) -> bool:
         """Whether a tensor comes from a resource handle (through Identity ops)."""

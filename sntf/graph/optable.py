@@ -87,6 +87,13 @@ PASS_THROUGH_OPS = frozenset({"Identity", "Cast", "Reshape", "Transpose",
 # Dense layer on a 3-D input reads its input through a Reshape): swapping
 # the view frees the buffer when no other tensor in it is read there.
 VIEW_OPS = frozenset({"Reshape", "Squeeze", "ExpandDims", "Identity"})
+# Kernels of TensorFlow's ReductionOp. One that reduces nothing hands back
+# its input's buffer (ReductionOp::Compute, "Reduces nothing"): the gradient
+# of an Add or Mul whose operands turn out to have the same shape is summed
+# over the empty axes BroadcastGradientArgs returns, and with an unknown
+# batch nothing says so before the step runs.
+REDUCTION_OPS = frozenset({"Sum", "Mean", "Prod", "Max", "Min", "All", "Any",
+                           "EuclideanNorm"})
 # Ops whose output is a view of input 0: no allocation (the memory model).
 ALIAS_OPS = frozenset({
     "Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
