@@ -93,16 +93,6 @@ def pytest_unconfigure(config):
                       ignore_errors=True)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Runs the modules that hold slow tests first, each module whole (its
-    module-scoped fixtures set up once). pytest-xdist hands tests to its two
-    workers in this order: with the long tests last, one worker could run a
-    two-minute test while the other sat idle; with them first, the many
-    short tests fill the gaps at the end."""
-    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module.__name__ not in slow)
-
-
 @pytest.fixture
 def fresh_python():
     return run_python
