@@ -21,7 +21,9 @@ processes (sntf/testing/workers/measure_peak.py), `repeats` times each:
 and tabulates, per configuration: the CPU:0 allocator peak (min-max over the
 repeats); the worst run's peak over TensorFlow's best (a ratio above 1 means
 some run was above TensorFlow's); the median peak over the lower bound of
-the training graph; the median step time over TensorFlow's; the planned peak
+the training graph, and the same for the steps after the first (the first
+step's peak also holds what a growing allocator wastes while it makes its
+regions); the median step time over TensorFlow's; the planned peak
 (with the tensor cache's, under a budget) over the median measured one; and
 whether every run trained identically to TensorFlow (same losses and weight
 digest). Progress goes to stdout; the
@@ -93,26 +95,30 @@ def _row(model: str, settings: str, label: str, runs: list, base: list,
          budget=None) -> str:
     errors = [r["error"] for r in runs if "error" in r]
     if errors:
-        return f"| {model} | {settings} | {label} | failed: {errors[0]} | | | | | | |"
+        return f"| {model} | {settings} | {label} | failed: {errors[0]} | | | | | | | |"
     peaks, base_peaks = _peaks(runs), _peaks(base)
     median = statistics.median(peaks)
     span = f"{min(peaks) / MIB:.1f}-{max(peaks) / MIB:.1f}"
     if label == "TensorFlow":
         step = statistics.median(r["seconds_per_step"] for r in runs)
-        return (f"| {model} | {settings} | {label} | {span} | | | {step:.3f} s | | | |")
+        return (f"| {model} | {settings} | {label} | {span} | | | | {step:.3f} s | | | |")
     worst = max(peaks) / min(base_peaks)
     lower = [r["lower_bound_bytes"] for r in runs if r.get("lower_bound_bytes")]
     # Under a budget the tensor cache keeps swapped tensors in the plan's
     # headroom; its prediction counts them (cached_peak_bytes).
     planned = [r.get("cached_peak_bytes") or r["planned_peak_bytes"] for r in runs
                if r.get("planned_peak_bytes")]
+    # Each run's peak over its steps after the first.
+    later = [max(r["own_step_peaks_bytes"][1:]) for r in runs
+             if len(r.get("own_step_peaks_bytes") or ()) > 1]
+    later_cell = f"{statistics.median(later) / statistics.median(lower):.2f}" if later else ""
     steps = statistics.median(r["seconds_per_step"] for r in runs)
     base_step = statistics.median(r["seconds_per_step"] for r in base)
     same = all(r["losses"] == base[0]["losses"]
                and r["weights_sha256"] == base[0]["weights_sha256"] for r in runs)
     actions = {t["action"] for r in runs for t in (r["training_reports"] or [])}
     return (f"| {model} | {settings} | {label} | {span} | {worst:.2f} | "
-            f"{median / statistics.median(lower):.2f} | {steps / base_step:.2f} | "
+            f"{median / statistics.median(lower):.2f} | {later_cell} | {steps / base_step:.2f} | "
             f"{(statistics.median(planned) / median) if planned else float('nan'):.2f} | "
             f"{_budget_cell(runs, budget)} | "
             f"{'yes' if same else 'NO'} ({'/'.join(sorted(actions))}) |")
@@ -135,9 +141,9 @@ def main(argv) -> int:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     start = time.perf_counter()
     rows = ["| model | settings | configuration | peak MiB (min-max) | worst / TF best "
-            "| / lower bound | step time / TF | planned / measured | worst / budget "
-            "| identical |",
-            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+            "| / lower bound | after step 1 / lower bound | step time / TF "
+            "| planned / measured | worst / budget | identical |",
+            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for model in FLAGS.models:
         for settings in FLAGS.settings:
             base = _runs(model, settings, "none")

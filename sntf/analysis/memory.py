@@ -237,7 +237,7 @@ class _Liveness:
         if self.sizes.get((i, 0), 0) == need:
             return True
         readers = [c for c, _, port in g.consumers[i] if port == 0]
-        return bool(readers) and all(g.ops[c] == "Reshape" and self.sizes.get((c, 0)) == need
+        return bool(readers) and all(g.ops[c] == optable.RESHAPE_OP and self.sizes.get((c, 0)) == need
                                      for c in readers)
 
     def _reads_variable(self, producer: int) -> bool:

@@ -63,6 +63,8 @@ REF_VARIABLE_OPS = frozenset({"Variable", "VariableV2", "TemporaryVariable"})
 READ_VARIABLE_OP = "ReadVariableOp"
 # Adopts its value's buffer when it is the value's last reader.
 ASSIGN_VARIABLE_OP = "AssignVariableOp"
+# Keeps the element count: a reshape to a known size proves its input's.
+RESHAPE_OP = "Reshape"
 
 
 def is_update_op(op: str) -> bool:
