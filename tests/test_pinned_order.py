@@ -314,25 +314,47 @@ def test_nothing_waits_for_a_swap_in_but_its_readers():
     assert not any(e.before in swap_ins for e in orders)
 
 
-def test_one_inter_op_thread_leaves_the_order_to_the_executor():
-    """With one inter-op thread the executor runs a step in one order on its
-    own; holding the analysis' emulation of it measured higher on the main
-    example (71.7 MiB against 67.9), so the edges are left out there."""
+@pytest.mark.parametrize("threads, bound, chained", [
+    (None, False, True), (None, True, True), (1, False, True), (1, True, False)])
+def test_one_inter_op_thread_is_chained_where_nothing_binds_the_plan(
+        monkeypatch, threads, bound, chained):
+    """One inter-op thread keeps an order of its own, which the plan without
+    a budget need not share (it may hold a memory-aware one); under a budget
+    the plan is made for the executor's order, and held to the analysis'
+    emulation of it the main example measured higher (71.8 MiB, 67.9
+    unchained)."""
     from graphs import properties_fn
     from sntf import passes
 
     graph_def, props = mlp_step(widths=WIDTHS, batch=256)
-    state = config.State(enabled=True, policy="swap+recompute")
+    seen = []
+    plan = passes.planner.plan
+    monkeypatch.setattr(passes.planner, "plan", lambda policy, base, ctx, *rest: (
+        seen.append(ctx.pin_order) or plan(policy, base, ctx, *rest)))
+    budget = config.Budget(bytes=64 << 20) if bound else None
+    state = config.State(enabled=True, policy="swap+recompute", budget=budget)
+    env = passes.Environment(inter_op_threads=threads, onednn=False)
+    passes.run_pass(graph_def.SerializeToString(), ["ret"], [], state,
+                    properties_fn(props), env)
+    assert seen == [chained]
 
-    def notes(threads):
-        env = passes.Environment(inter_op_threads=threads, onednn=False)
-        result = passes.run_pass(graph_def.SerializeToString(), ["ret"], [], state,
-                                 properties_fn(props), env)
-        assert result.report["action"] == "rewritten", result.report["reason"]
-        return [n for n in result.report["reason"].split("; ") if n.startswith("order:")]
 
-    assert notes(None) and notes(4)
-    assert notes(1) == []
+@pytest.mark.slow
+def test_one_inter_op_thread_holds_the_planned_order():
+    """With one inter-op thread the executor keeps one order, but not
+    always the plan's: the plan may hold a memory-aware order, and the
+    executor's own is not always the one the analysis emulates. Unchained
+    (pin_order=False, what one thread got before), the zoo's GPT at oneDNN
+    off and one thread measured 55.6-56.5 MiB against 42 planned (0.75);
+    held, 39.0-39.2 against 40.6 (BENCHMARKS.md)."""
+    from sntf.testing import zoo
+    from sntf.testing.workers import measure_peak
+
+    r = measure_peak.measure("zoo:gpt", zoo.default_batch("gpt"), steps=3,
+                             policy="swap+recompute", settings="lab")
+    assert {t["action"] for t in r["training_reports"]} == {"rewritten"}, r
+    planned, measured = r["planned_peak_bytes"], r["measured_peak_bytes"]
+    assert planned >= 0.85 * measured, (planned / 2**20, measured / 2**20)
 
 
 def _deferred_filter_gradient(filter_last: bool):
