@@ -244,7 +244,7 @@ def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,
     free = budget is None and room is None
     # One inter-op thread runs a step in one order of its own. Held to the
     # executor's order as the analysis emulates it, the main example (a
-    # budget) measured higher (71.8 MiB against 67.9 unchained). Without a
+    # budget) measured higher (71.8 MiB against 68.0 unchained). Without a
     # budget the plan may hold a memory-aware order, which that thread does
     # not follow on its own, and the emulation is not always its order: the
     # zoo's GPT at oneDNN off measured 55.6-56.5 MiB unchained against
