@@ -334,9 +334,14 @@ def test_one_inter_op_thread_is_chained_where_nothing_binds_the_plan(
     budget = config.Budget(bytes=64 << 20) if bound else None
     state = config.State(enabled=True, policy="swap+recompute", budget=budget)
     env = passes.Environment(inter_op_threads=threads, onednn=False)
-    passes.run_pass(graph_def.SerializeToString(), ["ret"], [], state,
-                    properties_fn(props), env)
+    result = passes.run_pass(graph_def.SerializeToString(), ["ret"], [], state,
+                             properties_fn(props), env)
     assert seen == [chained]
+    if not bound:
+        # Nothing binds it: the edges are in the graph handed back.
+        assert result.report["action"] == "rewritten", result.report["reason"]
+        notes = [n for n in result.report["reason"].split("; ") if n.startswith("order:")]
+        assert bool(notes) == chained, result.report["reason"]
 
 
 @pytest.mark.slow
