@@ -601,7 +601,7 @@ def test_order_edges_that_close_a_cycle_together_are_not_both_taken():
 
 
 @pytest.mark.parametrize("widths,batch,applied", [
-    ((512, 512, 512), 64, False),        # plans 2.9% lower: within the error
+    ((512, 512, 512), 16, False),        # plans 0.8% lower: within the error
     ((512, 512, 512, 512), 256, True),   # plans 17.6% lower
 ])
 def test_a_plan_within_the_analysis_error_is_not_applied(widths, batch, applied):

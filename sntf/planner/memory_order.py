@@ -10,8 +10,10 @@ first. The order edges (order.plan_sequence) can hold any topological
 order, so the planner may offer them a better one: this module's list
 schedule runs, among the ready ops, the one that leaves the fewest bytes
 allocated after it (what it allocates less what it frees as the last reader
-of a buffer), ties going to the executor's own order. The caller keeps it
-where the graph, chained to it and analyzed, plans lower.
+of a buffer), ties going to the executor's own order; then moves blocks of
+ops across the peak of that order while the peak falls (_refined), which
+the greedy choice cannot see. The caller keeps it where the graph, chained
+to it and analyzed, plans lower.
 """
 
 from __future__ import annotations
@@ -20,17 +22,22 @@ import dataclasses
 import heapq
 from typing import Optional
 
+import numpy as np
+
 from sntf.analysis.memory import SCRATCH_PORT
 from sntf.graph import optable
 
 
-def memory_order(g, facts) -> Optional[object]:
+def memory_order(g, facts, refine: bool = True) -> Optional[object]:
     """The analysis `facts` of graph `g` with its schedule replaced by a
     memory-aware one, and its buffers' intervals moved with it.
 
     Args:
       g: the graph index (generated nodes included).
       facts: its analysis.
+      refine: move blocks of ops across the list schedule's peak while it
+        falls (_refined). The peak it lowers is of live bytes; the
+        allocator's chunks may fall otherwise, so the caller tries both.
 
     Returns:
       An Analysis whose schedule and buffer_intervals follow the new order
@@ -52,7 +59,11 @@ def memory_order(g, facts) -> Optional[object]:
         if buffer[1] != SCRATCH_PORT:
             kept[buffer[0]] = kept.get(buffer[0], 0) + facts.buffer_bytes.get(buffer, 0)
     order = _list_schedule(g, facts, rank, readers, reads, kept)
-    if order is None or order == list(facts.schedule):
+    if order is None:
+        return None
+    if refine:
+        order = _refined(g, facts, order, last)
+    if order == list(facts.schedule):
         return None
     step = {node: s for s, node in enumerate(order)}
     intervals = {}
@@ -120,3 +131,160 @@ def _list_schedule(g, facts, rank: dict, readers: dict, reads: dict,
                 if pending[c] == 0:
                     heapq.heappush(heap, (score(c), rank[c], c, version[c]))
     return order if len(order) == len(rank) else None
+
+
+# The refinement's limits: moves made, and buffers live at the peak tried
+# per move (the largest first), each tried both ways. A try costs one pass
+# over the buffers.
+MOVES = 64
+TRIES = 8
+
+
+def _refined(g, facts, order: list, last: int) -> list:
+    """The order with its peak lowered by moving blocks of ops across it.
+
+    The list schedule is greedy: it runs the op that leaves the fewest bytes
+    allocated now, blind to what the ops after it will need. Where a
+    normalization's backward pass sums three activation-sized terms, it
+    makes the cheap term first (a broadcast of a per-channel gradient) and
+    only then the one that must also bring back the layer's input, so the
+    input comes back beside two finished terms rather than one. So, while
+    the peak falls: at the step of the peak, take a large buffer live there
+    and either sink the op that allocates it, with what depends on it up to
+    the peak, past the peak (as late as their readers allow), or hoist its
+    last reader, with what that depends on after the peak, to just before
+    the peak. The move that lowers the peak most is kept. Every move keeps
+    the order topological.
+
+    Args:
+      g: the graph index.
+      facts: its analysis (buffers, sizes, who allocates them).
+      order: a topological order of the nodes in facts.schedule.
+      last: the last step.
+
+    Returns:
+      An order whose peak of live bytes is at most that of `order`.
+    """
+    profile = _Profile(g, facts, last)
+    peak, at, live = profile.peak(order)
+    for _ in range(MOVES):
+        best = None
+        for moved in _moves(g, profile, order, at, live):
+            got = profile.peak(moved)
+            if got[0] < peak and (best is None or got[0] < best[0][0]):
+                best = (got, moved)
+        if best is None:
+            break
+        (peak, at, live), order = best
+    return order
+
+
+class _Profile:
+    """The bytes live at each step of an order, as the analysis counts them:
+    a buffer from the step of the op that allocates it to the step of its
+    last reader (to the end where it outlives the step)."""
+
+    def __init__(self, g, facts, last: int):
+        readers = {}
+        for (node, port), buffer in facts.buffers.items():
+            readers.setdefault(buffer, set()).update(
+                c for c, _, p in g.consumers[node] if p == port)
+        allocs, sizes, to_end, owners, reader_nodes = [], [], [], [], []
+        for k, (buffer, (start, stop)) in enumerate(facts.buffer_intervals.items()):
+            alloc = facts.schedule[start]
+            allocs.append(alloc)
+            sizes.append(facts.buffer_bytes.get(buffer, 0))
+            to_end.append(stop >= last)
+            for r in readers.get(buffer, ()):
+                if r != alloc:
+                    owners.append(k)
+                    reader_nodes.append(r)
+        self.nodes = len(g.ops)
+        self.alloc = np.asarray(allocs, dtype=np.int64)
+        self.size = np.asarray(sizes, dtype=np.int64)
+        self.to_end = np.asarray(to_end, dtype=bool)
+        self.owner = np.asarray(owners, dtype=np.int64)
+        self.reader = np.asarray(reader_nodes, dtype=np.int64)
+
+    def intervals(self, order: list) -> tuple:
+        """(allocation step, last step live) per buffer."""
+        n = len(order)
+        step = np.full(self.nodes, -1, dtype=np.int64)
+        step[np.asarray(order, dtype=np.int64)] = np.arange(n)
+        start = step[self.alloc]
+        read = step[self.reader]
+        stop = start.copy()
+        np.maximum.at(stop, self.owner, read)
+        stop[self.to_end] = n - 1
+        return start, stop
+
+    def peak(self, order: list) -> tuple:
+        """(peak live bytes, its step, (start, stop) per buffer)."""
+        start, stop = self.intervals(order)
+        delta = np.zeros(len(order) + 1, dtype=np.int64)
+        np.add.at(delta, start, self.size)
+        np.add.at(delta, stop + 1, -self.size)
+        live = np.cumsum(delta[:-1])
+        at = int(np.argmax(live))
+        return int(live[at]), at, (start, stop)
+
+
+def _moves(g, profile: _Profile, order: list, at: int, live: tuple):
+    """Orders with one block of ops moved across step `at` (the peak)."""
+    start, stop = live
+    around = np.nonzero((start <= at) & (stop >= at) & (profile.size > 0))[0]
+    largest = around[np.argsort(-profile.size[around], kind="stable")][:TRIES]
+    for k in largest:
+        if start[k] < at:
+            moved = _sunk(g, order, int(start[k]), at)
+            if moved is not None:
+                yield moved
+        if at < stop[k] and not profile.to_end[k]:
+            moved = _hoisted(g, order, at, int(stop[k]))
+            if moved is not None:
+                yield moved
+
+
+def _sunk(g, order: list, begin: int, at: int) -> Optional[list]:
+    """`order` with the op at `begin`, and every op up to step `at` that
+    depends on it, moved past `at`, as late as their readers allow (just
+    before the first of them); None if that takes the op at `at` along."""
+    def after(n):
+        return [c for c, _, _ in g.consumers[n]] + list(g.control_consumers[n])
+
+    window = {node: s for s, node in enumerate(order[begin:at + 1], begin)}
+    block = _closure(order[begin], window, after)
+    if order[at] in block:
+        return None
+    step = {node: s for s, node in enumerate(order[at + 1:], at + 1)}
+    until = min((step[c] for n in block for c in after(n) if c in step),
+                default=len(order))
+    segment = order[begin:at + 1]
+    return (order[:begin] + [n for n in segment if n not in block] + order[at + 1:until]
+            + [n for n in segment if n in block] + order[until:])
+
+
+def _hoisted(g, order: list, at: int, end: int) -> Optional[list]:
+    """`order` with the op at `end`, and every op from step `at` on that it
+    depends on, moved to just before `at`; None if that takes the op at
+    `at` along."""
+    window = {node: s for s, node in enumerate(order[at:end + 1], at)}
+    block = _closure(order[end], window, lambda n: [p for p, _ in g.data_inputs[n]]
+                     + list(g.control_inputs[n]))
+    if order[at] in block:
+        return None
+    segment = order[at:end + 1]
+    return (order[:at] + [n for n in segment if n in block]
+            + [n for n in segment if n not in block] + order[end + 1:])
+
+
+def _closure(node: int, window: dict, neighbours) -> set:
+    """`node` and the nodes in `window` reachable from it through
+    `neighbours`."""
+    block, todo = {node}, [node]
+    while todo:
+        for other in neighbours(todo.pop()):
+            if other in window and other not in block:
+                block.add(other)
+                todo.append(other)
+    return block

@@ -438,14 +438,19 @@ def _sequenced(outcome: Outcome, planned, ctx: Context, least: int, merges) -> t
     orders, pinned = chained(planned.facts)
     if not ctx.memory_order:
         return orders, pinned, "planned order"
-    try:
-        reordered = memory_order(planned.index, planned.facts)
-        other, tried = chained(reordered) if reordered is not None else ((), None)
-    except Exception:  # noqa: BLE001 - the executor's order stands
-        return orders, pinned, "planned order"
-    if tried is not None and (pinned is None or tried.peak < pinned.peak):
-        return other, tried, "memory-aware order"
-    return orders, pinned, "planned order"
+    best = (orders, pinned, "planned order")
+    # The refined order has the lower peak of live bytes, but the
+    # allocator's chunks do not always follow: the densenet family under
+    # recompute planned 3.7% higher held to it than to the list schedule.
+    for refine in (True, False):
+        try:
+            reordered = memory_order(planned.index, planned.facts, refine=refine)
+            other, tried = chained(reordered) if reordered is not None else ((), None)
+        except Exception:  # noqa: BLE001 - the orders tried so far stand
+            break
+        if tried is not None and (best[1] is None or tried.peak < best[1].peak):
+            best = (other, tried, "memory-aware order")
+    return best
 
 
 def _dropped_note(orders: tuple, planned, pinned) -> str:
