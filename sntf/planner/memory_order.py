@@ -22,8 +22,6 @@ import dataclasses
 import heapq
 from typing import Optional
 
-import numpy as np
-
 from sntf.analysis.memory import SCRATCH_PORT
 from sntf.graph import optable
 
@@ -185,6 +183,10 @@ class _Profile:
     last reader (to the end where it outlives the step)."""
 
     def __init__(self, g, facts, last: int):
+        # numpy here, not at module level: the planner's stages import
+        # nothing heavy when loaded.
+        import numpy as np
+
         readers = {}
         for (node, port), buffer in facts.buffers.items():
             readers.setdefault(buffer, set()).update(
@@ -208,6 +210,8 @@ class _Profile:
 
     def intervals(self, order: list) -> tuple:
         """(allocation step, last step live) per buffer."""
+        import numpy as np
+
         n = len(order)
         step = np.full(self.nodes, -1, dtype=np.int64)
         step[np.asarray(order, dtype=np.int64)] = np.arange(n)
@@ -220,6 +224,8 @@ class _Profile:
 
     def peak(self, order: list) -> tuple:
         """(peak live bytes, its step, (start, stop) per buffer)."""
+        import numpy as np
+
         start, stop = self.intervals(order)
         delta = np.zeros(len(order) + 1, dtype=np.int64)
         np.add.at(delta, start, self.size)
@@ -231,6 +237,8 @@ class _Profile:
 
 def _moves(g, profile: _Profile, order: list, at: int, live: tuple):
     """Orders with one block of ops moved across step `at` (the peak)."""
+    import numpy as np
+
     start, stop = live
     around = np.nonzero((start <= at) & (stop >= at) & (profile.size > 0))[0]
     largest = around[np.argsort(-profile.size[around], kind="stable")][:TRIES]
