@@ -486,9 +486,7 @@ def test_the_memory_aware_order_sinks_a_term_past_the_peak_it_would_raise():
     base = analyzed(graph_def, ["ret"], props)
     g, facts = base.index, base.facts
     last = len(facts.schedule) - 1
-    greedy = memory_aware._list_schedule(
-        g, facts, {n: s for s, n in enumerate(facts.schedule)},
-        *_greedy_inputs(g, facts, last))
+    greedy = memory_aware._greedy(g, facts, memory_aware._buffer_readers(g, facts, last))
     profile = memory_aware._Profile(g, facts, last)
     for before in (facts.schedule, greedy):
         step = {g.names[n]: s for s, n in enumerate(before)}
@@ -502,22 +500,6 @@ def test_the_memory_aware_order_sinks_a_term_past_the_peak_it_would_raise():
     orders = order.plan_sequence(g, reordered, 64 << 10)
     chained = rewrite.evaluator(None)(planner.Plan(policy="t", orders=orders), base)
     assert chained.peak <= base.peak - (1 << 20) + (64 << 10)
-
-
-def _greedy_inputs(g, facts, last: int) -> tuple:
-    """(readers, reads, kept) as memory_order hands them to its list schedule."""
-    from sntf.planner import memory_order as memory_aware
-
-    readers = memory_aware._buffer_readers(g, facts, last)
-    reads = {}
-    for buffer, nodes in readers.items():
-        for node in nodes:
-            reads.setdefault(node, []).append(buffer)
-    kept = {}
-    for buffer in readers:
-        if buffer[1] != memory.SCRATCH_PORT:
-            kept[buffer[0]] = kept.get(buffer[0], 0) + facts.buffer_bytes.get(buffer, 0)
-    return readers, reads, kept
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -45,18 +45,9 @@ def memory_order(g, facts, refine: bool = True) -> Optional[object]:
     """
     if g.has_cycles:
         return None
-    rank = {node: s for s, node in enumerate(facts.schedule)}
     last = len(facts.schedule) - 1
     readers = _buffer_readers(g, facts, last)
-    reads = {}
-    for buffer, nodes in readers.items():
-        for node in nodes:
-            reads.setdefault(node, []).append(buffer)
-    kept = {}
-    for buffer in readers:
-        if buffer[1] != SCRATCH_PORT:
-            kept[buffer[0]] = kept.get(buffer[0], 0) + facts.buffer_bytes.get(buffer, 0)
-    order = _list_schedule(g, facts, rank, readers, reads, kept)
+    order = _greedy(g, facts, readers)
     if order is None:
         return None
     if refine:
@@ -70,6 +61,21 @@ def memory_order(g, facts, refine: bool = True) -> Optional[object]:
         ends = [step[r] for r in readers.get(buffer, ()) if r in step]
         intervals[buffer] = (alloc, last if stop >= last else max([alloc] + ends))
     return dataclasses.replace(facts, schedule=tuple(order), buffer_intervals=intervals)
+
+
+def _greedy(g, facts, readers: dict) -> Optional[list]:
+    """The list schedule: ready ops by least bytes left allocated, then the
+    executor's order; None if some op never becomes ready."""
+    rank = {node: s for s, node in enumerate(facts.schedule)}
+    reads = {}
+    for buffer, nodes in readers.items():
+        for node in nodes:
+            reads.setdefault(node, []).append(buffer)
+    kept = {}
+    for buffer in readers:
+        if buffer[1] != SCRATCH_PORT:
+            kept[buffer[0]] = kept.get(buffer[0], 0) + facts.buffer_bytes.get(buffer, 0)
+    return _list_schedule(g, facts, rank, readers, reads, kept)
 
 
 def _buffer_readers(g, facts, last: int) -> dict:
