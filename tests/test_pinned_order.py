@@ -437,14 +437,14 @@ def _free_or_allocate_step():
 
 
 def test_the_memory_aware_order_frees_before_it_allocates():
-    from sntf.planner.memory_order import memory_order
+    from sntf.planner.memory_order import memory_orders
 
     graph_def, props = _free_or_allocate_step()
     base = analyzed(graph_def, ["ret"], props)
     g, facts = base.index, base.facts
     step = {g.names[n]: s for s, n in enumerate(facts.schedule)}
     assert step["b"] < step["s"]                      # the executor's order
-    reordered = memory_order(g, facts)
+    reordered = memory_orders(g, facts)[0]
     step = {g.names[n]: s for s, n in enumerate(reordered.schedule)}
     assert step["s"] < step["b"]
     # Its intervals follow it: `a` dies at `s`, before `b` is allocated.
@@ -486,17 +486,19 @@ def test_the_memory_aware_order_sinks_a_term_past_the_peak_it_would_raise():
     base = analyzed(graph_def, ["ret"], props)
     g, facts = base.index, base.facts
     last = len(facts.schedule) - 1
-    greedy = memory_aware._greedy(g, facts, memory_aware._buffer_readers(g, facts, last))
-    profile = memory_aware._Profile(g, facts, last)
+    readers = memory_aware._readers(g, facts)
+    greedy = memory_aware._greedy(g, facts, memory_aware._dying(facts, readers, last))
+    profile = memory_aware._Profile(g, facts, last, readers)
     for before in (facts.schedule, greedy):
         step = {g.names[n]: s for s, n in enumerate(before)}
         assert step["t2"] < step["u"] and step["t2"] < step["v"]
-    refined = memory_aware._refined(g, facts, greedy, last)
+    refined = memory_aware._refined(g, facts, greedy, last, readers)
     step = {g.names[n]: s for s, n in enumerate(refined)}
     assert step["t3"] < step["t2"] < step["sum"]
     assert profile.peak(refined)[0] <= profile.peak(greedy)[0] - (1 << 20)
     # The whole stage: the graph chained to the new order plans 1 MiB lower.
-    reordered = memory_aware.memory_order(g, facts)
+    reordered = memory_aware.memory_orders(g, facts)[0]
+    assert list(reordered.schedule) == refined
     orders = order.plan_sequence(g, reordered, 64 << 10)
     chained = rewrite.evaluator(None)(planner.Plan(policy="t", orders=orders), base)
     assert chained.peak <= base.peak - (1 << 20) + (64 << 10)
@@ -515,8 +517,9 @@ def test_refining_an_order_keeps_it_topological_and_never_raises_its_peak(seed):
     last = len(facts.schedule) - 1
     start = list(_random_order(g, seed))
     start = [n for n in start if n in set(facts.schedule)]
-    profile = memory_aware._Profile(g, facts, last)
-    refined = memory_aware._refined(g, facts, start, last)
+    readers = memory_aware._readers(g, facts)
+    profile = memory_aware._Profile(g, facts, last, readers)
+    refined = memory_aware._refined(g, facts, start, last, readers)
     assert sorted(refined) == sorted(start)
     step = {n: s for s, n in enumerate(refined)}
     for n in refined:
@@ -542,8 +545,8 @@ def test_the_list_schedule_stays_a_candidate_where_the_refined_order_plans_highe
                                      "family-densenet.json.gz"))
     cfg = {"policy": "recompute", "budget": None, "options": {"recompute_mode": "auto"}}
     both = corpus.run(entry, cfg).report
-    monkeypatch.setattr(policies, "memory_order",
-                        lambda g, facts, **_: memory_aware.memory_order(g, facts))
+    monkeypatch.setattr(policies, "memory_orders",
+                        lambda g, facts: memory_aware.memory_orders(g, facts)[:1])
     refined_only = corpus.run(entry, cfg).report
     assert both["action"] == refined_only["action"] == "rewritten", both["reason"]
     assert both["planned_peak_bytes"] < refined_only["planned_peak_bytes"]
@@ -568,7 +571,7 @@ def test_pinned_edges_hold_a_memory_aware_order_where_it_plans_lower(monkeypatch
     assert "memory-aware order" in report["reason"], report["reason"]
     assert report["planned_peak_bytes"] <= 1.5 * report["lower_bound_bytes"], report["reason"]
     # The control: the same plan held to the executor's order.
-    monkeypatch.setattr(policies, "memory_order", lambda g, facts, **_: None)
+    monkeypatch.setattr(policies, "memory_orders", lambda g, facts: ())
     plain = corpus.run(entry, cfg).report
     assert "memory-aware order" not in plain["reason"], plain["reason"]
     assert plain["planned_peak_bytes"] > 1.5 * plain["lower_bound_bytes"], plain["reason"]

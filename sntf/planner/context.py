@@ -50,7 +50,8 @@ class Context:
       pin_order: chain a rewritten graph's memory-heavy ops in the planned
         order (sntf.planner.order.plan_sequence).
       memory_order: the chain may hold a memory-aware order instead of the
-        executor's (sntf.planner.memory_order). Off under a budget or a
+        executor's (sntf.planner.memory_order.memory_orders). Off under a
+        budget or a
         device's allocator limit, where the plan's prediction decides what
         fits and must be one the run reaches.
     """

@@ -26,66 +26,85 @@ from sntf.analysis.memory import SCRATCH_PORT
 from sntf.graph import optable
 
 
-def memory_order(g, facts, refine: bool = True) -> Optional[object]:
-    """The analysis `facts` of graph `g` with its schedule replaced by a
-    memory-aware one, and its buffers' intervals moved with it.
+def memory_orders(g, facts) -> tuple:
+    """The analysis `facts` of graph `g` with its schedule replaced by each
+    memory-aware order, and its buffers' intervals moved with it: the list
+    schedule refined at its peak (_refined), then the list schedule itself
+    where the refinement moved it. The refinement lowers the peak of live
+    bytes; the allocator's chunks need not follow, so the caller chains the
+    graph to each and keeps the lowest.
 
     Args:
       g: the graph index (generated nodes included).
       facts: its analysis.
-      refine: move blocks of ops across the list schedule's peak while it
-        falls (_refined). The peak it lowers is of live bytes; the
-        allocator's chunks may fall otherwise, so the caller tries both.
 
     Returns:
-      An Analysis whose schedule and buffer_intervals follow the new order
-      (its other fields are those of `facts`, for order.plan_sequence), or
-      None for a graph with cycles, one where some op never becomes ready,
-      or one the new order would not change.
+      Analyses whose schedule and buffer_intervals follow each order (their
+      other fields are those of `facts`, for order.plan_sequence); none for
+      a graph with cycles or one where some op never becomes ready, and
+      none that is the executor's order.
     """
     if g.has_cycles:
-        return None
+        return ()
     last = len(facts.schedule) - 1
-    readers = _buffer_readers(g, facts, last)
-    order = _greedy(g, facts, readers)
-    if order is None:
-        return None
-    if refine:
-        order = _refined(g, facts, order, last)
-    if order == list(facts.schedule):
-        return None
+    readers = _readers(g, facts)
+    dying = _dying(facts, readers, last)
+    greedy = _greedy(g, facts, dying)
+    if greedy is None:
+        return ()
+    orders = []
+    for order in (_refined(g, facts, greedy, last, readers), greedy):
+        if order != list(facts.schedule) and order not in orders:
+            orders.append(order)
+    return tuple(_reordered(facts, order, dying, last) for order in orders)
+
+
+def _reordered(facts, order: list, dying: dict, last: int):
+    """`facts` with `order` as its schedule and each buffer's interval from
+    its allocating op to its last reader in that order."""
     step = {node: s for s, node in enumerate(order)}
     intervals = {}
     for buffer, (start, stop) in facts.buffer_intervals.items():
         alloc = step[facts.schedule[start]]
-        ends = [step[r] for r in readers.get(buffer, ()) if r in step]
+        ends = [step[r] for r in dying.get(buffer, ()) if r in step]
         intervals[buffer] = (alloc, last if stop >= last else max([alloc] + ends))
     return dataclasses.replace(facts, schedule=tuple(order), buffer_intervals=intervals)
 
 
-def _greedy(g, facts, readers: dict) -> Optional[list]:
+def _greedy(g, facts, dying: dict) -> Optional[list]:
     """The list schedule: ready ops by least bytes left allocated, then the
-    executor's order; None if some op never becomes ready."""
+    executor's order; None if some op never becomes ready.
+
+    Args:
+      dying: buffer -> its readers, for the buffers that die within the step
+        (a buffer live at its end has no last reader).
+    """
     rank = {node: s for s, node in enumerate(facts.schedule)}
     reads = {}
-    for buffer, nodes in readers.items():
+    for buffer, nodes in dying.items():
         for node in nodes:
             reads.setdefault(node, []).append(buffer)
     kept = {}
-    for buffer in readers:
+    for buffer in dying:
         if buffer[1] != SCRATCH_PORT:
             kept[buffer[0]] = kept.get(buffer[0], 0) + facts.buffer_bytes.get(buffer, 0)
-    return _list_schedule(g, facts, rank, readers, reads, kept)
+    return _list_schedule(g, facts, rank, dying, reads, kept)
 
 
-def _buffer_readers(g, facts, last: int) -> dict:
-    """Buffer -> the nodes that read a tensor living in it, for the buffers
-    that die within the step (a buffer live at its end has no last reader)."""
-    readers = {buffer: set() for buffer, (_, stop) in facts.buffer_intervals.items()
-               if stop < last}
+def _dying(facts, readers: dict, last: int) -> dict:
+    """`readers` for the buffers that die within the step (a buffer live at
+    its end has no last reader)."""
+    return {b: nodes for b, nodes in readers.items()
+            if b in facts.buffer_intervals and facts.buffer_intervals[b][1] < last}
+
+
+def _readers(g, facts) -> dict:
+    """Buffer -> the nodes that read a tensor living in it (the node that
+    allocated it excepted)."""
+    readers = {}
     for (node, port), buffer in facts.buffers.items():
-        if buffer in readers:
-            readers[buffer].update(c for c, _, p in g.consumers[node] if p == port)
+        readers.setdefault(buffer, set()).update(
+            c for c, _, p in g.consumers[node] if p == port)
     for buffer, nodes in readers.items():
         nodes.discard(buffer[0])
     return readers
@@ -144,7 +163,7 @@ MOVES = 64
 TRIES = 8
 
 
-def _refined(g, facts, order: list, last: int) -> list:
+def _refined(g, facts, order: list, last: int, readers: dict) -> list:
     """The order with its peak lowered by moving blocks of ops across it.
 
     The list schedule is greedy: it runs the op that leaves the fewest bytes
@@ -165,11 +184,12 @@ def _refined(g, facts, order: list, last: int) -> list:
       facts: its analysis (buffers, sizes, who allocates them).
       order: a topological order of the nodes in facts.schedule.
       last: the last step.
+      readers: buffer -> the nodes that read it (_readers).
 
     Returns:
       An order whose peak of live bytes is at most that of `order`.
     """
-    profile = _Profile(g, facts, last)
+    profile = _Profile(g, facts, last, readers)
     peak, at, live = profile.peak(order)
     for _ in range(MOVES):
         best = None
@@ -188,15 +208,11 @@ class _Profile:
     a buffer from the step of the op that allocates it to the step of its
     last reader (to the end where it outlives the step)."""
 
-    def __init__(self, g, facts, last: int):
+    def __init__(self, g, facts, last: int, readers: dict):
         # numpy here, not at module level: the planner's stages import
         # nothing heavy when loaded.
         import numpy as np
 
-        readers = {}
-        for (node, port), buffer in facts.buffers.items():
-            readers.setdefault(buffer, set()).update(
-                c for c, _, p in g.consumers[node] if p == port)
         allocs, sizes, to_end, owners, reader_nodes = [], [], [], [], []
         for k, (buffer, (start, stop)) in enumerate(facts.buffer_intervals.items()):
             alloc = facts.schedule[start]

@@ -135,7 +135,7 @@ def plan_sequence(g, facts, min_bytes: int, merges: Optional[dict] = None) -> tu
 
     The planned peak is the peak of one order: `facts.schedule`, the
     executor's with one inter-op thread (analysis.schedule), or a
-    memory-aware order of the same ops (memory_order). With TensorFlow's default pool the
+    memory-aware order of the same ops (memory_orders). With TensorFlow's default pool the
     executor runs ready ops side by side and in an order left to thread
     timing: a branch's activations allocated early, two convolutions'
     scratch at once, a swap-in run before the buffer it was to follow had

@@ -25,7 +25,7 @@ Whatever a composition rewrote is then held to an order by order
 edges (order.plan_sequence; option pin_order), where the analysis of the
 chained graph stands behind them: the executor's order, or without a
 budget or device limit a memory-aware one where that plans lower
-(memory_order). Without a budget, a rewritten graph that
+(memory_orders). Without a budget, a rewritten graph that
 plans less than option min_gain (5%) below the original is not applied.
 """
 
@@ -39,7 +39,7 @@ from sntf.planner import budget as budget_planning
 from sntf.planner import heuristics, modes
 from sntf.planner.backward import backward_read_by_buffer, backward_read_tensors, tensor_name
 from sntf.planner.context import Context
-from sntf.planner.memory_order import memory_order
+from sntf.planner.memory_order import memory_orders
 from sntf.planner.order import plan_gradient_order, plan_sequence
 from sntf.planner.plan import KEEP, Plan, acting, identity_plan, keep
 from sntf.planner.swap import default_min_bytes, threshold_at_peak
@@ -420,7 +420,7 @@ def _pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
 def _sequenced(outcome: Outcome, planned, ctx: Context, least: int, merges) -> tuple:
     """(order edges, the graph chained by them analyzed, which order they
     hold): the executor's order as planned, or, where ctx.memory_order, a
-    memory-aware order of the same ops (memory_order) where the graph
+    memory-aware order of the same ops (memory_orders) where the graph
     chained to it plans lower.
 
     Not under a budget or a device limit: there the plan's prediction
@@ -439,17 +439,13 @@ def _sequenced(outcome: Outcome, planned, ctx: Context, least: int, merges) -> t
     if not ctx.memory_order:
         return orders, pinned, "planned order"
     best = (orders, pinned, "planned order")
-    # The refined order has the lower peak of live bytes, but the
-    # allocator's chunks do not always follow: the densenet family under
-    # recompute planned 3.7% higher held to it than to the list schedule.
-    for refine in (True, False):
-        try:
-            reordered = memory_order(planned.index, planned.facts, refine=refine)
-            other, tried = chained(reordered) if reordered is not None else ((), None)
-        except Exception:  # noqa: BLE001 - the orders tried so far stand
-            break
-        if tried is not None and (best[1] is None or tried.peak < best[1].peak):
-            best = (other, tried, "memory-aware order")
+    try:
+        for reordered in memory_orders(planned.index, planned.facts):
+            other, tried = chained(reordered)
+            if tried is not None and (best[1] is None or tried.peak < best[1].peak):
+                best = (other, tried, "memory-aware order")
+    except Exception:  # noqa: BLE001 - the orders tried so far stand
+        pass
     return best
 
 
