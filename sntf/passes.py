@@ -252,7 +252,8 @@ def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,
     # chained too where nothing binds the plan.
     ctx = dataclasses.replace(
         _context(state, env, budget, index, report), memory_order=free,
-        pin_order=state.options.pin_order and (free or env.inter_op_threads != 1))
+        pin_order=state.options.pin_order and (free or env.inter_op_threads != 1),
+        pool=env.inter_op_threads != 1)
     outcome = planner.plan(state.policy, base, ctx, report["graph"])
     if room is None:
         return outcome

@@ -54,6 +54,9 @@ class Context:
         budget or a
         device's allocator limit, where the plan's prediction decides what
         fits and must be one the run reaches.
+      pool: ready ops may run side by side or in any order, as on
+        TensorFlow's default inter-op pool; False where one inter-op thread
+        runs the step in the order the analysis emulates.
     """
 
     evaluate: Evaluate
@@ -71,6 +74,7 @@ class Context:
     stage_seconds: Optional[dict] = None
     pin_order: bool = True
     memory_order: bool = True
+    pool: bool = True
 
     @contextlib.contextmanager
     def timed(self, stage: str):

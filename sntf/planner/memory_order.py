@@ -14,6 +14,15 @@ of a buffer), ties going to the executor's own order; then moves blocks of
 ops across the peak of that order while the peak falls (_refined), which
 the greedy choice cannot see. The caller keeps it where the graph, chained
 to it and analyzed, plans lower.
+
+Where ready ops run side by side (TensorFlow's default inter-op pool),
+both keep every op that the analysis has take over a buffer (a forwarding
+kernel, a variable adopting its value: order.takeovers) after the buffer's
+other readers, as in the order the analysis placed the buffers in, so that
+the order edges hold it there: run before one of them, the kernel makes a
+buffer of its own that the plan never counted. One inter-op thread runs the
+ops the edges leave free where the analysis' emulation of the executor
+puts them, and the chained graph is analyzed in that order.
 """
 
 from __future__ import annotations
@@ -24,9 +33,10 @@ from typing import Optional
 
 from sntf.analysis.memory import SCRATCH_PORT
 from sntf.graph import optable
+from sntf.planner.order import takeovers
 
 
-def memory_orders(g, facts) -> tuple:
+def memory_orders(g, facts, hold_takeovers: bool = True) -> tuple:
     """The analysis `facts` of graph `g` with its schedule replaced by each
     memory-aware order, and its buffers' intervals moved with it: the list
     schedule refined at its peak (_refined), then the list schedule itself
@@ -37,6 +47,8 @@ def memory_orders(g, facts) -> tuple:
     Args:
       g: the graph index (generated nodes included).
       facts: its analysis.
+      hold_takeovers: keep each op that takes a buffer over after the
+        buffer's other readers (order.takeovers).
 
     Returns:
       Analyses whose schedule and buffer_intervals follow each order (their
@@ -49,11 +61,12 @@ def memory_orders(g, facts) -> tuple:
     last = len(facts.schedule) - 1
     readers = _readers(g, facts)
     dying = _dying(facts, readers, last)
-    greedy = _greedy(g, facts, dying)
+    links = _Links(g, facts, hold_takeovers)
+    greedy = _greedy(g, facts, dying, links)
     if greedy is None:
         return ()
     orders = []
-    for order in (_refined(g, facts, greedy, last, readers), greedy):
+    for order in (_refined(g, facts, greedy, last, readers, links), greedy):
         if order != list(facts.schedule) and order not in orders:
             orders.append(order)
     return tuple(_reordered(facts, order, dying, last) for order in orders)
@@ -71,13 +84,31 @@ def _reordered(facts, order: list, dying: dict, last: int):
     return dataclasses.replace(facts, schedule=tuple(order), buffer_intervals=intervals)
 
 
-def _greedy(g, facts, dying: dict) -> Optional[list]:
+class _Links:
+    """Which ops must run before and after each: the graph's data and
+    control edges, and, where held, from each reader of a buffer that an op
+    takes over to that op (order.takeovers)."""
+
+    def __init__(self, g, facts, hold_takeovers: bool = True):
+        n = len(g.ops)
+        self.before = [[p for p, _ in g.data_inputs[i]] + list(g.control_inputs[i])
+                       for i in range(n)]
+        self.after = [[c for c, _, _ in g.consumers[i]] + list(g.control_consumers[i])
+                      for i in range(n)]
+        for taker, readers in (takeovers(g, facts) if hold_takeovers else {}).items():
+            for r in sorted(readers):
+                self.before[taker].append(r)
+                self.after[r].append(taker)
+
+
+def _greedy(g, facts, dying: dict, links: _Links) -> Optional[list]:
     """The list schedule: ready ops by least bytes left allocated, then the
     executor's order; None if some op never becomes ready.
 
     Args:
       dying: buffer -> its readers, for the buffers that die within the step
         (a buffer live at its end has no last reader).
+      links: what runs before and after each op.
     """
     rank = {node: s for s, node in enumerate(facts.schedule)}
     reads = {}
@@ -88,7 +119,7 @@ def _greedy(g, facts, dying: dict) -> Optional[list]:
     for buffer in dying:
         if buffer[1] != SCRATCH_PORT:
             kept[buffer[0]] = kept.get(buffer[0], 0) + facts.buffer_bytes.get(buffer, 0)
-    return _list_schedule(g, facts, rank, dying, reads, kept)
+    return _list_schedule(g, facts, rank, dying, reads, kept, links)
 
 
 def _dying(facts, readers: dict, last: int) -> dict:
@@ -111,14 +142,13 @@ def _readers(g, facts) -> dict:
 
 
 def _list_schedule(g, facts, rank: dict, readers: dict, reads: dict,
-                   kept: dict) -> Optional[list]:
+                   kept: dict, links: _Links) -> Optional[list]:
     """Ready ops by least bytes left allocated, then executor order; None
     if some op never becomes ready."""
     # A loop's back edges (NextIteration -> Merge) are not waited for, as
     # in the executor's order (analysis.schedule).
     back = {n for n in rank if g.ops[n] in optable.NEXT_ITERATION_OPS}
-    pending = {node: sum(1 for p in [p for p, _ in g.data_inputs[node]]
-                         + list(g.control_inputs[node]) if p not in back)
+    pending = {node: sum(1 for p in links.before[node] if p not in back)
                for node in rank}
     remaining = {buffer: set(nodes) for buffer, nodes in readers.items()}
     version = dict.fromkeys(rank, 0)
@@ -148,7 +178,7 @@ def _list_schedule(g, facts, rank: dict, readers: dict, reads: dict,
                                           version[other]))
         if node in back:
             continue
-        for c in [c for c, _, _ in g.consumers[node]] + list(g.control_consumers[node]):
+        for c in links.after[node]:
             if c in pending and pending[c] > 0:
                 pending[c] -= 1
                 if pending[c] == 0:
@@ -163,7 +193,7 @@ MOVES = 64
 TRIES = 8
 
 
-def _refined(g, facts, order: list, last: int, readers: dict) -> list:
+def _refined(g, facts, order: list, last: int, readers: dict, links: _Links) -> list:
     """The order with its peak lowered by moving blocks of ops across it.
 
     The list schedule is greedy: it runs the op that leaves the fewest bytes
@@ -185,6 +215,7 @@ def _refined(g, facts, order: list, last: int, readers: dict) -> list:
       order: a topological order of the nodes in facts.schedule.
       last: the last step.
       readers: buffer -> the nodes that read it (_readers).
+      links: what runs before and after each op; the moves keep both.
 
     Returns:
       An order whose peak of live bytes is at most that of `order`.
@@ -193,7 +224,7 @@ def _refined(g, facts, order: list, last: int, readers: dict) -> list:
     peak, at, live = profile.peak(order)
     for _ in range(MOVES):
         best = None
-        for moved in _moves(g, profile, order, at, live):
+        for moved in _moves(links, profile, order, at, live):
             got = profile.peak(moved)
             if got[0] < peak and (best is None or got[0] < best[0][0]):
                 best = (got, moved)
@@ -257,7 +288,7 @@ class _Profile:
         return int(live[at]), at, (start, stop)
 
 
-def _moves(g, profile: _Profile, order: list, at: int, live: tuple):
+def _moves(links: _Links, profile: _Profile, order: list, at: int, live: tuple):
     """Orders with one block of ops moved across step `at` (the peak)."""
     import numpy as np
 
@@ -266,22 +297,20 @@ def _moves(g, profile: _Profile, order: list, at: int, live: tuple):
     largest = around[np.argsort(-profile.size[around], kind="stable")][:TRIES]
     for k in largest:
         if start[k] < at:
-            moved = _sunk(g, order, int(start[k]), at)
+            moved = _sunk(links, order, int(start[k]), at)
             if moved is not None:
                 yield moved
         if at < stop[k] and not profile.to_end[k]:
-            moved = _hoisted(g, order, at, int(stop[k]))
+            moved = _hoisted(links, order, at, int(stop[k]))
             if moved is not None:
                 yield moved
 
 
-def _sunk(g, order: list, begin: int, at: int) -> Optional[list]:
+def _sunk(links: _Links, order: list, begin: int, at: int) -> Optional[list]:
     """`order` with the op at `begin`, and every op up to step `at` that
     depends on it, moved past `at`, as late as their readers allow (just
     before the first of them); None if that takes the op at `at` along."""
-    def after(n):
-        return [c for c, _, _ in g.consumers[n]] + list(g.control_consumers[n])
-
+    after = links.after.__getitem__
     window = {node: s for s, node in enumerate(order[begin:at + 1], begin)}
     block = _closure(order[begin], window, after)
     if order[at] in block:
@@ -294,13 +323,12 @@ def _sunk(g, order: list, begin: int, at: int) -> Optional[list]:
             + [n for n in segment if n in block] + order[until:])
 
 
-def _hoisted(g, order: list, at: int, end: int) -> Optional[list]:
+def _hoisted(links: _Links, order: list, at: int, end: int) -> Optional[list]:
     """`order` with the op at `end`, and every op from step `at` on that it
     depends on, moved to just before `at`; None if that takes the op at
     `at` along."""
     window = {node: s for s, node in enumerate(order[at:end + 1], at)}
-    block = _closure(order[end], window, lambda n: [p for p, _ in g.data_inputs[n]]
-                     + list(g.control_inputs[n]))
+    block = _closure(order[end], window, links.before.__getitem__)
     if order[at] in block:
         return None
     segment = order[at:end + 1]

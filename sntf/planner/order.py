@@ -149,7 +149,13 @@ def plan_sequence(g, facts, min_bytes: int, merges: Optional[dict] = None) -> tu
       the chain does not wait for it, so that it still overlaps compute;
     - from every other reader of such a buffer to its planned last reader,
       so that the buffer dies where the plan says, whichever reader the
-      executor happens to run last.
+      executor happens to run last;
+    - from every reader of such a buffer that the plan runs before an op
+      that takes the buffer over (takeovers: a forwarding kernel, or a
+      variable adopting its new value) to that op. A kernel forwards only
+      an input no other op has yet to read; run early, a cheap element-wise
+      op of a backward pass allocates a buffer of its own beside the one it
+      was planned to reuse.
 
     Cheap ops still run where they fall. Values are unchanged, and so is
     what TensorFlow's oneDNN pass merges (sntf.graph.fusions): no edge goes
@@ -174,26 +180,7 @@ def plan_sequence(g, facts, min_bytes: int, merges: Optional[dict] = None) -> tu
     """
     step = {node: k for k, node in enumerate(facts.schedule)}
     region = control_flow_region(g)
-    large = _large_buffers(facts, min_bytes)
-    chained = set()
-    pairs = []
-    for buffer, readers in _readers(g, facts, large).items():
-        last = large[buffer]
-        chained.add(facts.schedule[facts.buffer_intervals[buffer][0]])
-        chained.add(last)
-        pairs += [(r, last) for r in sorted(readers, key=step.__getitem__)
-                  if step[r] < step[last]]
-    ends: dict = {}    # device -> the op chained last so far
-    for node in facts.schedule:
-        if node in chained and not optable.never_ordered(g.ops[node]):
-            before = ends.get(g.devices[node])
-            if before is not None:
-                pairs.append((before, node))
-            # A copy to or from the host pool starts no earlier than
-            # planned, but nothing waits for it to end but its readers:
-            # the copy overlaps the compute after it, as planned.
-            if g.ops[node] not in _TRANSFER_OPS:
-                ends[g.devices[node]] = node
+    pairs = _sequence_pairs(g, facts, _large_buffers(facts, min_bytes), step)
     merges = merges or {}
     orders = {}
     for before, after in pairs:
@@ -207,6 +194,34 @@ def plan_sequence(g, facts, min_bytes: int, merges: Optional[dict] = None) -> tu
         orders.setdefault((before, after),
                           Order(before=g.names[before], after=g.names[after]))
     return tuple(orders.values())
+
+
+def _sequence_pairs(g, facts, large: dict, step: dict) -> list:
+    """(before, after) pairs of plan_sequence's three kinds, unfiltered:
+    to each large buffer's last reader from its other readers, to each
+    taker of one from the readers before it, and the chain."""
+    chained = set()
+    pairs = []
+    for buffer, readers in _readers(g, facts, large).items():
+        last = large[buffer]
+        chained.add(facts.schedule[facts.buffer_intervals[buffer][0]])
+        chained.add(last)
+        pairs += [(r, last) for r in sorted(readers, key=step.__getitem__)
+                  if step[r] < step[last]]
+    for taker, readers in takeovers(g, facts, large).items():
+        pairs += [(r, taker) for r in sorted(readers, key=step.__getitem__)]
+    ends: dict = {}    # device -> the op chained last so far
+    for node in facts.schedule:
+        if node in chained and not optable.never_ordered(g.ops[node]):
+            before = ends.get(g.devices[node])
+            if before is not None:
+                pairs.append((before, node))
+            # A copy to or from the host pool starts no earlier than
+            # planned, but nothing waits for it to end but its readers:
+            # the copy overlaps the compute after it, as planned.
+            if g.ops[node] not in _TRANSFER_OPS:
+                ends[g.devices[node]] = node
+    return pairs
 
 
 _TRANSFER_OPS = frozenset({names.SWAP_OUT_OP, names.SWAP_IN_OP, names.CACHE_OUT_OP,
@@ -241,6 +256,54 @@ def _readers(g, facts, buffers) -> dict:
         if buffer in readers:
             readers[buffer].update(c for c, _, p in g.consumers[node] if p == port)
     return readers
+
+
+def takeovers(g, facts, buffers=None) -> dict:
+    """Node that takes a buffer over -> the nodes that read the buffer
+    before it in facts.schedule.
+
+    The analysis places a forwarding kernel's output (optable.FORWARDING_OPS)
+    in the buffer of an input the kernel reads last, and an AssignVariableOp
+    adopts a value it reads last as the variable's buffer (facts.handover).
+    TensorFlow does either only when no other op has yet to read the
+    buffer: run before such a reader, the kernel allocates a buffer of its
+    own beside the one the analysis had it reuse. A view (an alias op, a
+    reduction that keeps every element) shares a buffer without taking it
+    over and waits for nothing.
+
+    Args:
+      g: the graph index.
+      facts: its analysis, in the order whose buffers it placed or one that
+        keeps each taker after these readers (memory_order's orders do).
+      buffers: only these buffers' takers (None: every buffer's).
+
+    Returns:
+      {taker: {the nodes before it that read a tensor living in its
+      buffer}}, for the takers with any.
+    """
+    step = {node: s for s, node in enumerate(facts.schedule)}
+    tensors: dict = {}
+    for tensor, buffer in facts.buffers.items():
+        if buffers is None or buffer in buffers:
+            tensors.setdefault(buffer, []).append(tensor)
+    found: dict = {}
+    for buffer, held in tensors.items():
+        readers = {c for node, port in held for c, _, p in g.consumers[node]
+                   if p == port and c in step}
+        takers = [node for node, port in held
+                  if port == 0 and (node, port) != buffer and node in step
+                  and g.ops[node] in optable.FORWARDING_OPS
+                  and g.ops[node] not in optable.ALIAS_OPS
+                  and any(facts.buffers.get(t) == buffer for t in g.data_inputs[node])]
+        if buffer in facts.handover and buffer in facts.buffer_intervals:
+            stop = facts.buffer_intervals[buffer][1]
+            takers += [r for r in readers if g.ops[r] == optable.ASSIGN_VARIABLE_OP
+                       and step[r] == stop]
+        for taker in takers:
+            earlier = {r for r in readers if step[r] < step[taker]}
+            if earlier:
+                found.setdefault(taker, set()).update(earlier)
+    return found
 
 
 def _alias_readers(g, read: int) -> list:

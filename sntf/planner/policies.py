@@ -440,7 +440,7 @@ def _sequenced(outcome: Outcome, planned, ctx: Context, least: int, merges) -> t
         return orders, pinned, "planned order"
     best = (orders, pinned, "planned order")
     try:
-        for reordered in memory_orders(planned.index, planned.facts):
+        for reordered in memory_orders(planned.index, planned.facts, ctx.pool):
             other, tried = chained(reordered)
             if tried is not None and (best[1] is None or tried.peak < best[1].peak):
                 best = (other, tried, "memory-aware order")
