@@ -741,6 +741,74 @@ def mlp_step(widths=(256, 192, 320, 128, 256), batch=512):
     return graph_def, props
 
 
+def swish_step(batch: int = 512, width: int = 256, returns_weights: bool = False):
+    """A dense layer with swish, its gradient as TensorFlow writes it, and a
+    second dense layer: pre = x W1; h = pre * sigmoid(pre); y = h W2;
+    loss = sum(y); SGD on W1 and W2.
+
+    The swish gradient recomputes sigmoid(pre) once the incoming gradient
+    dh exists (a control edge) and reads it twice, before and after three
+    ops that each make a (batch, width) tensor:
+        grad/sig = sigmoid(pre)            ^grad/h
+        grad/sub = 1 - grad/sig
+        grad/xsub = pre * grad/sub
+        grad/add = 1 + grad/xsub
+        grad/act = grad/sig * grad/add
+        grad/pre = grad/h * grad/act
+    The loss gradient meets no gradient kernel (MatMul and Mul only): only
+    the weight users' structure tells the backward pass apart. With
+    returns_weights, the step also returns W1 read after its update, as a
+    custom training loop may.
+    """
+    b = GraphBuilder()
+    (b.arg("x").arg("w1", DT_RESOURCE).read("w1_read", "w1")
+     .arg("w2", DT_RESOURCE).read("w2_read", "w2")
+     .op("MatMul", "pre", ["x", "w1_read"], T=DT_FLOAT)
+     .op("Sigmoid", "gate", ["pre"], T=DT_FLOAT)
+     .op("Mul", "h", ["pre", "gate"], T=DT_FLOAT)
+     .op("MatMul", "y", ["h", "w2_read"], T=DT_FLOAT)
+     .const("axes", [0, 1], DT_INT32).op("Sum", "loss", ["y", "axes"], T=DT_FLOAT)
+     .const("grad/ones", 1.0)
+     .op("Mul", "grad/y", ["grad/ones", "loss"], T=DT_FLOAT)
+     .op("MatMul", "grad/w2", ["h", "grad/y"], T=DT_FLOAT, transpose_a=True)
+     .op("MatMul", "grad/h", ["grad/y", "w2_read"], T=DT_FLOAT, transpose_b=True)
+     .op("Sigmoid", "grad/sig", ["pre", "^grad/h"], T=DT_FLOAT)
+     .const("grad/one", 1.0)
+     .op("Sub", "grad/sub", ["grad/one", "grad/sig"], T=DT_FLOAT)
+     .op("Mul", "grad/xsub", ["pre", "grad/sub"], T=DT_FLOAT)
+     .op("AddV2", "grad/add", ["grad/one", "grad/xsub"], T=DT_FLOAT)
+     .op("Mul", "grad/act", ["grad/sig", "grad/add"], T=DT_FLOAT)
+     .op("Mul", "grad/pre", ["grad/h", "grad/act"], T=DT_FLOAT)
+     .op("MatMul", "grad/w1", ["x", "grad/pre"], T=DT_FLOAT, transpose_a=True)
+     .const("lr", 0.01)
+     .op("Mul", "sgd/mul1", ["lr", "grad/w1"], T=DT_FLOAT)
+     .op("Mul", "sgd/mul2", ["lr", "grad/w2"], T=DT_FLOAT)
+     .op("AssignSubVariableOp", "sgd/update1", ["w1", "sgd/mul1"], dtype=DT_FLOAT)
+     .op("AssignSubVariableOp", "sgd/update2", ["w2", "sgd/mul2"], dtype=DT_FLOAT)
+     .retval("ret", "loss"))
+    if returns_weights:
+        b.read("w1_after", "w1", ["^sgd/update1"]).retval("ret_w1", "w1_after")
+    graph_def = b.build()
+    out = 64
+    shapes = {"x": (batch, 128), "w1_read": (128, width), "w2_read": (width, out),
+              "w1_after": (128, width), "y": (batch, out), "grad/y": (batch, out),
+              "grad/w2": (width, out), "sgd/mul2": (width, out),
+              "grad/w1": (128, width), "sgd/mul1": (128, width)}
+    props = {}
+    for node in graph_def.node:
+        if node.op in ("_Retval", "AssignSubVariableOp"):
+            props[node.name] = []
+        elif node.op == "_Arg" and node.name != "x":
+            props[node.name] = [(DT_RESOURCE, ())]
+        elif node.name == "axes":
+            props[node.name] = [(DT_INT32, (2,))]
+        elif node.op == "Const" or node.name == "loss":
+            props[node.name] = [(DT_FLOAT, ())]
+        else:
+            props[node.name] = [(DT_FLOAT, shapes.get(node.name, (batch, width)))]
+    return graph_def, props
+
+
 LOOP_FRAME = "while/while_context"
 
 

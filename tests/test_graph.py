@@ -669,3 +669,29 @@ def test_a_transposed_convolution_is_a_forward_layer():
         assert phase[name] == graph.BACKWARD, name
     anchors = {g.names[i] for i in graph.weight_consumers(g)}
     assert anchors == {"up/conv2d_transpose", "conv/Conv2D"}
+
+
+@pytest.mark.parametrize("returns_weights", [False, True])
+def test_a_backward_pass_without_gradient_kernels_is_told_apart(returns_weights):
+    """Dense layers with swish and a loss whose gradient meets no gradient
+    kernel: the backward pass is MatMuls and Muls, told apart only by the
+    structure of the weight users (dx = dy W^T). Its ops were labelled
+    "other" (no backward pass at all), or "forward" where the step returns
+    a weight read after its update (the fuzzer's steps do): the planner
+    then saw nothing to plan. The swish gradient's sigmoid(x), which waits
+    on dh by a control edge only, is backward as well.
+
+    Where the step returns an updated weight, what it returns counts as
+    forward up to the first op downstream of a backward weight user: the
+    loss seed and the last layer's weight gradient stay forward there."""
+    g = graph.build_index(graphs.swish_step(returns_weights=returns_weights)[0],
+                          ["ret"])
+    phase = dict(zip(g.names, graph.classify_phases(g)))
+    for name in ("pre", "gate", "h", "y", "loss"):
+        assert phase[name] == graph.FORWARD, name
+    backward = ["grad/h", "grad/sig", "grad/sub", "grad/act", "grad/pre", "grad/w1",
+                "sgd/update1"]
+    if not returns_weights:
+        backward += ["grad/y", "grad/w2", "sgd/update2"]
+    for name in backward:
+        assert phase[name] == graph.BACKWARD, (name, phase[name])

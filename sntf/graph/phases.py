@@ -27,9 +27,15 @@ def weight_consumers(g: GraphIndex) -> frozenset:
     Returns:
       Indices of the forward weight consumers.
     """
+    return memoized(g, "weight_roles", _weight_roles)[0]
+
+
+def _weight_roles(g: GraphIndex) -> tuple:
+    """(forward weight consumers, the backward ops among the weight users
+    that weight_consumers tells apart by structure: dx = dy W^T)."""
     updates, readers = variable_access(g)
     if not updates:
-        return frozenset()
+        return frozenset(), frozenset()
     all_updates = [u for us in updates.values() for u in us]
     feeding_updates = ancestors(g, all_updates, control=False, state=True)
     candidates = {}  # anchor -> (handles it reads, its activation inputs)
@@ -42,7 +48,7 @@ def weight_consumers(g: GraphIndex) -> frozenset:
             handles.add(handle)
             inputs.update(acts)
     if not candidates:
-        return frozenset()
+        return frozenset(), frozenset()
     bit = {f: 1 << k for k, f in enumerate(sorted(candidates))}
     reads_of = collections.defaultdict(int)  # handle -> mask of its consumers
     for f, (handles, _) in candidates.items():
@@ -73,8 +79,9 @@ def weight_consumers(g: GraphIndex) -> frozenset:
     # A forward op's output flows into the gradient computation; an
     # optimizer op reading a slot (m, v) only flows into updates.
     feeds_gradients = ancestors(g, tainted, control=False)
-    return frozenset(f for f in candidates
-                     if f not in tainted and f in feeds_gradients)
+    anchors = frozenset(f for f in candidates
+                        if f not in tainted and f in feeds_gradients)
+    return anchors, frozenset(backward)
 
 
 def classify_phases(g: GraphIndex) -> tuple[str, ...]:
@@ -92,11 +99,18 @@ def classify_phases(g: GraphIndex) -> tuple[str, ...]:
     Returns:
       One label per node, by node index.
     """
-    anchors = weight_consumers(g)
+    anchors, backward_users = memoized(g, "weight_roles", _weight_roles)
     if not anchors:
         return tuple(OTHER for _ in g.names)
     below = descendants(g, anchors)
-    tainted = descendants(g, _gradient_sources(g, anchors))
+    # The gradient computation starts at the gradient kernels and at the
+    # weight users told apart as backward (dx = dy W^T: a network of dense
+    # layers whose loss gradient meets no gradient kernel has only these).
+    # An op that waits on it by a control edge runs in the backward pass
+    # too: TensorFlow's swish gradient recomputes sigmoid(x) from the
+    # forward x once dy exists.
+    tainted = descendants(g, _gradient_sources(g, anchors) | backward_users,
+                          control=True)
     # The forward pass: up to the last weight consumer, then on to what the
     # step returns (the loss, through the metric that records it), short of
     # anything downstream of a gradient kernel.
@@ -110,6 +124,9 @@ def classify_phases(g: GraphIndex) -> tuple[str, ...]:
     # feeding one, like the loss seed) -- not statistics updates such as
     # BatchNormalization's moving averages, which only feed their variables.
     gradient_side = tainted | ancestors(g, tainted, control=False)
+    # ...and what the loss seed feeds before any of that: a weight gradient
+    # dW = h^T dy where dy met no gradient kernel.
+    gradient_side |= descendants(g, (gradient_side & below) - forward)
     backward = ((below & feeding) - forward) & gradient_side
     return tuple(FORWARD if i in forward else BACKWARD if i in backward else OTHER
                  for i in range(len(g.names)))
