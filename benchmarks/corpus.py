@@ -33,7 +33,8 @@ EXPECTED = os.path.join(REPO, "tests", "corpus", "expected.json")
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("record", None, ["families", "fuzz", "zoo"], "what to capture")
 flags.DEFINE_list("models", ["gpt", "transformer", "vit", "mobilenet_v2",
-                             "preact_resnet", "unet_transpose", "se_resnet"],
+                             "preact_resnet", "unet_transpose", "se_resnet",
+                             "allconv_swish"],
                   "sntf.testing.zoo architectures (--record zoo)")
 flags.DEFINE_list("seeds", ["1", "2", "3"], "fuzzer seeds (--record fuzz)")
 flags.DEFINE_integer("cases", 40, "fuzzer cases per seed (--record fuzz)")

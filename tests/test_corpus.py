@@ -1,7 +1,7 @@
 """Replays the corpus of captured graphs (tests/corpus) through the pass.
 
 Every entry is a graph Grappler handed to the pass inside real training
-(seven model families, seven zoo architectures captured as users run them:
+(seven model families, eight zoo architectures captured as users run them:
 oneDNN's rewrites on, a batched tf.data pipeline; fuzzer cases at three
 seeds), with what the pass read
 around it; expected.json holds the digests of the rewritten graph, the plan

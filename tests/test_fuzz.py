@@ -396,6 +396,31 @@ def test_transposed_convolutions_are_rewritten_and_identical(fresh_python):
     assert result["rewritten"] and result["swapped"] > 0, result
 
 
+# Dense layers with swish and a squared-error loss: the loss gradient meets
+# no gradient kernel, and phases found no backward pass to plan; the swish
+# gradient reads its recomputed sigmoid twice (sntf.planner.rebuild).
+SWISH_DENSE = {
+    "kind": "dense", "hw": None, "dims": [12, 48, 48, 5],
+    "layers": [
+        {"op": "linear", "inputs": [0], "device": 0, "units": 48, "act": "swish"},
+        {"op": "linear", "inputs": [1], "device": 0, "units": 48, "act": "swish"},
+        {"op": "linear", "inputs": [2], "units": 5, "act": "none", "device": 0}],
+    "extra_loss": None, "batch": 48, "unknown_batch": False, "two_devices": False,
+    "guarded_update": False, "policy": "recompute", "recompute_mode": "speed",
+    "budget": None, "swap_min_bytes": 0, "batch_size_option": True, "seed": 7}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["recompute", "swap+recompute"])
+def test_a_swish_gradient_rebuilt_for_its_later_readers_is_identical(fresh_python,
+                                                                      policy):
+    spec = dict(SWISH_DENSE, policy=policy)
+    rc, result, output = _tool(fresh_python, "--replay", json.dumps(spec),
+                               "--timeout", "60", timeout=200)
+    assert rc == 0 and result["problems"] == [], output[-3000:]
+    assert result["rewritten"] and result["rebuilt"] == 2, result
+
+
 @pytest.mark.slow
 def test_the_checks_catch_a_wrong_rewrite(fresh_python):
     """With every rewritten graph deliberately corrupted (an AddV2 turned

@@ -349,16 +349,22 @@ def test_identity_and_off_plans():
     assert planner.identity_plan("off", OFF_NOTE).changes_graph is False
 
 
-def test_user_policies_are_compositions_of_two_questions():
-    from sntf.planner import policies
+def test_user_policies_are_compositions_of_three_questions():
+    from sntf.planner import heuristics, policies
 
     table = policies.POLICIES
     assert set(table) == set(config.POLICIES)
     assert isinstance(table["off"], policies.Keep)
-    assert table["recompute"] == policies.Then((policies.RECOMPUTE_STAGE,))
+    assert table["recompute"] == policies.Then((policies.RECOMPUTE_STAGE,
+                                                policies.REBUILD_STAGE))
     assert table["swap"] == policies.Then((policies.SWAP_STAGE,))
+    # The rebuilds' gain shows only once swap has moved the forward tensors
+    # around them: the composition with them is judged finished, against
+    # the one without, and must plan lower by a margin.
     assert table["swap+recompute"] == policies.LowerOf((
         policies.Then((policies.RECOMPUTE_STAGE, policies.SWAP_STAGE)),
+        policies.Then((policies.RECOMPUTE_STAGE, policies.Stage("rebuild", deferred=True),
+                       policies.SWAP_STAGE), margin=heuristics.REBUILD_PEAK_SHARE),
         policies.Then((policies.SWAP_STAGE,))))
     assert table["auto"].fallback is table["swap+recompute"]
     assert table["auto"].parts == (policies.RECOMPUTE_STAGE, policies.SWAP_STAGE)

@@ -10,6 +10,7 @@ from sntf.analysis.memory import PERSISTENT
 from sntf.graph import names, optable
 from sntf.graph.index import descendants
 from sntf.graph.phases import BACKWARD, FORWARD, waits_for_loss
+from sntf.planner.plan import RecomputeGroup
 
 
 def backward_read_by_buffer(g, facts, shape_readers: bool = False) -> dict:
@@ -184,3 +185,41 @@ def backward_read_tensors(g, facts) -> list:
 def tensor_name(g, tensor: tuple) -> str:
     """The "node:port" name of a (node index, port) tensor."""
     return names.tensor_name(g.names[tensor[0]], tensor[1])
+
+
+def reader_groups(g, readers: list, mode: str, step_of: dict, facts) -> list:
+    """Groups of backward readers, each with the node that releases its clone.
+
+    Args:
+      g, facts: the graph index and its analysis.
+      readers: (node, data input slot) pairs reading the rebuilt tensor.
+      mode: "speed" (one group for them all) or "memory" (one per reader).
+      step_of: node index -> position in the order readers are sorted by.
+
+    Returns:
+      [RecomputeGroup], or [] where a reader has no backward op to wait on.
+    """
+    readers = sorted(readers, key=lambda r: step_of[r[0]])
+    batches = [readers] if mode == "speed" else [[r] for r in readers]
+    groups = []
+    for batch in batches:
+        # The gradient that reaches the group's first reader last, on the
+        # tensor's device, releases the clone: an ancestor of that reader, it
+        # runs shortly before it in any executor order. An op merely
+        # scheduled nearby may run far earlier (and the clone with it), may
+        # be another device's (a control edge across devices deadlocked a
+        # step on two logical CPUs), or may be a variable update that
+        # oneDNN later fuses with the reader ("nodes in a cycle"). Scheduled
+        # before every reader of the group, the ancestor never depends on
+        # one of them. A reader without such an input is not served.
+        c, slot = batch[0]
+        device = g.devices[g.data_inputs[c][slot][0]]
+        # No compute to cover (0.0), so step_of may be another order than
+        # facts.schedule (plan_recompute's `order`).
+        trigger = gradient_ancestor(g, facts, step_of, c, 0.0, device)
+        if trigger is None:
+            return []
+        groups.append(RecomputeGroup(
+            consumers=tuple((g.names[c], slot) for c, slot in batch),
+            trigger=g.names[trigger]))
+    return groups

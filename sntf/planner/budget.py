@@ -17,7 +17,8 @@ from sntf.planner import heuristics, search
 from sntf.planner.context import Context
 from sntf.planner.modes import lowest_recompute, updates_in_place
 from sntf.planner.plan import RECOMPUTE, SWAP, Plan, acting, identity_plan, subset
-from sntf.planner.swap import plan_swap, tensor_properties
+from sntf.planner.backward import backward_read_by_buffer
+from sntf.planner.swap import default_min_bytes, plan_swap, tensor_properties, threshold_at_peak
 
 BUDGET_BEHAVIOURS = ("best_effort", "unchanged")
 
@@ -31,6 +32,48 @@ def swap_stage(base, ctx: Context, cache_budget: Optional[int] = None) -> Plan:
     plan = plan_swap(base.index, base.facts, dtypes, ctx.swap_min_bytes, ctx.bandwidth,
                      protected(base.index), shapes, workspace_pairs=ctx.onednn)
     return dataclasses.replace(plan, cache_budget=cache_budget)
+
+
+def lowest_swap(base, ctx: Context):
+    """The swap stage: the swap plan planned lowest of its thresholds.
+
+    ctx.swap_min_bytes when the user set it; else the default threshold
+    (swap.default_min_bytes), and where that came down for a network of
+    small tensors, the usual one too: the swap-ins of more, smaller tensors
+    can crowd the backward pass and plan higher. Where the chosen plan's
+    peak still holds kept activations below its threshold (a U-Net's
+    half-MiB skips), the threshold reaching them is tried as well; its
+    plan stands only if it plans lower.
+
+    Returns:
+      (plan, the rewritten graph analyzed or None).
+    """
+    threshold = ctx.swap_min_bytes
+    if threshold is None:
+        threshold = default_min_bytes(
+            base.facts, backward_read_by_buffer(base.index, base.facts))
+    tried = [threshold]
+    if ctx.swap_min_bytes is None and threshold < heuristics.SWAP_MIN_BYTES:
+        tried.append(heuristics.SWAP_MIN_BYTES)
+    best = None
+    for min_bytes in reversed(tried):   # the usual threshold wins a tie
+        best = _lower_swap(best, base, ctx, min_bytes)
+    reach = (threshold_at_peak(best[1].index, best[1].facts, best[2])
+             if ctx.swap_min_bytes is None and best[1] is not None else None)
+    if reach is not None:
+        best = _lower_swap(best, base, ctx, reach)
+    return best[:2]
+
+
+def _lower_swap(best: Optional[tuple], base, ctx: Context, min_bytes: int) -> tuple:
+    """(plan, planned, threshold): the swap plan at min_bytes where it plans
+    lower than best's (or best is None), else best."""
+    plan = swap_stage(base, dataclasses.replace(ctx, swap_min_bytes=min_bytes), ctx.budget)
+    planned = ctx.evaluate(plan, base)
+    if best is None or (planned is not None and (
+            best[1] is None or planned.peak < best[1].peak)):
+        return plan, planned, min_bytes
+    return best
 
 
 def allocator_slack(facts) -> int:

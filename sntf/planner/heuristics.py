@@ -16,6 +16,12 @@ MAX_RECOMPUTE_CHAIN = 8
 # segment of a few convolutions, each with Keras' unfused BatchNormalization
 # (about a dozen ops) and an activation.
 MAX_SEGMENT_CHAIN = 48
+# A cheap backward tensor read twice is re-run for its later readers
+# (planner.rebuild) only if its buffer holds at least this share of the
+# planned peak, and the rebuilds stand only if they lower the planned peak
+# by this share: a smaller one cannot move the peak, and every re-run
+# costs time.
+REBUILD_PEAK_SHARE = 0.01
 # Memory-centric recomputation also plans re-running checkpoint ops
 # (convolutions, matmuls) in segments of up to this many each, and keeps
 # the plan planned lowest.

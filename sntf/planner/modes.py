@@ -16,6 +16,7 @@ from sntf.graph import names
 from sntf.planner import heuristics, order
 from sntf.planner.context import Context, protected
 from sntf.planner.plan import Plan
+from sntf.planner.rebuild import plan_rebuilds
 from sntf.planner.recompute import plan_recompute
 
 MODES = ("speed", "memory", "auto")
@@ -41,6 +42,35 @@ def recompute(base, ctx: Context, mode: Optional[str] = None):
     else:
         chosen = lowest_recompute(base, ctx, "speed")
     return updates_in_place(*chosen, base, ctx)
+
+
+def rebuild(base, ctx: Context, judged_here: bool = True):
+    """Cheap backward tensors re-run for their readers after the first
+    (sntf.planner.rebuild), released on the predicted executor order: one
+    clone for all of them, or one per reader under recompute_mode "memory".
+
+    Args:
+      base, ctx: the analyzed graph and the planning context.
+      judged_here: the rebuilds stand only if they lower this graph's
+        planned peak by heuristics.REBUILD_PEAK_SHARE of it; False: the
+        caller judges them after the stages that follow.
+
+    Returns:
+      (plan, the rewritten graph analyzed or None when nothing qualified).
+    """
+    mode = "memory" if ctx.recompute_mode == "memory" else "speed"
+    plan = plan_rebuilds(base.index, base.facts, mode, protected(base.index))
+    if not plan.recomputes:
+        return dataclasses.replace(plan, notes=()), None   # nothing to say
+    planned = ctx.evaluate(plan, base)
+    least = int(heuristics.REBUILD_PEAK_SHARE * base.peak)
+    if judged_here and planned is not None and planned.peak > base.peak - least:
+        # Each clone costs time; a few hundred bytes are not worth it.
+        why = (f"rebuild: {len(plan.recomputes)} backward tensor(s) not re-run: the "
+               f"planned peak would fall by less than {least} bytes "
+               f"({base.peak} -> {planned.peak})")
+        return dataclasses.replace(plan, decisions=(), recomputes=(), notes=(why,)), None
+    return plan, planned
 
 
 def updates_in_place(plan: Plan, planned, base, ctx: Context):

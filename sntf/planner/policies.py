@@ -3,12 +3,17 @@
 A leaf policy (`Stage`) asks one question of every forward tensor the
 backward pass reads: can it be recomputed, or can it be swapped? Its
 planner answers per tensor with a recipe or the reason the tensor is kept.
+One more leaf asks it of the backward pass's own tensors read twice: can
+one be re-run for its later readers (sntf.planner.rebuild)?
 Combinators decide how the answers become one plan:
 
     Then(a, b)       a, then b over the graph a left; a stage that would not
-                     lower the planned peak is not applied
-    LowerOf(a, b)    the lower planned peak of a and b, each held to its
-                     order (a on a tie)
+                     lower the planned peak is not applied (a deferred one,
+                     whose gain shows only after the stages after it, is
+                     judged by the LowerOf around it)
+    LowerOf(a, ...)  the lowest planned peak of its parts, each held to its
+                     order (the earliest on a tie; a part that asks for a
+                     margin must plan that much below the ones before it)
     FitBudget(a, b)  per buffer keep, or one of a's or b's answers, the least
                      predicted time that fits the budget; without a budget,
                      its fallback policy
@@ -16,9 +21,10 @@ Combinators decide how the answers become one plan:
 
 The user's policies are compositions (POLICIES):
 
-    "recompute"       Then(recompute)
+    "recompute"       Then(recompute, rebuild)
     "swap"            Then(swap)
-    "swap+recompute"  LowerOf(Then(recompute, swap), Then(swap))
+    "swap+recompute"  LowerOf(Then(recompute, swap), Then(recompute, rebuild*, swap),
+                              Then(swap)); rebuild* deferred
     "auto"            FitBudget(recompute, swap, fallback="swap+recompute")
 
 Whatever a composition rewrote is then held to an order by order
@@ -37,12 +43,11 @@ from typing import Optional
 from sntf.graph.fusions import merge_members
 from sntf.planner import budget as budget_planning
 from sntf.planner import heuristics, modes
-from sntf.planner.backward import backward_read_by_buffer, backward_read_tensors, tensor_name
+from sntf.planner.backward import backward_read_tensors, tensor_name
 from sntf.planner.context import Context
 from sntf.planner.memory_order import memory_orders
 from sntf.planner.order import plan_gradient_order, plan_sequence
 from sntf.planner.plan import KEEP, Plan, acting, identity_plan, keep
-from sntf.planner.swap import default_min_bytes, threshold_at_peak
 
 OFF_NOTE = "policy 'off': graph left as TensorFlow built it"
 
@@ -85,6 +90,7 @@ class _Run:
     recomputes: tuple = ()
     swaps: tuple = ()
     kept: dict = dataclasses.field(default_factory=dict)   # tensor -> [reasons]
+    void: bool = False       # a deferred stage found nothing to do
 
     def keep_reasons(self, plan: Plan, prefix: str = "") -> None:
         for d in plan.decisions:
@@ -94,9 +100,15 @@ class _Run:
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """A leaf: one question per tensor ("recompute" or "swap")."""
+    """A leaf: one question per tensor ("recompute", "rebuild" or "swap").
+
+    A deferred stage is applied whenever it changes the graph: the stages
+    after it decide whether it pays (a rebuilt sigmoid(x) frees nothing at
+    the peak until the forward tensors around it are swapped out).
+    """
 
     kind: str
+    deferred: bool = False
 
     @property
     def label(self) -> str:
@@ -107,47 +119,20 @@ class Stage:
         with ctx.timed(f"plan_{self.kind}"):
             if self.kind == "recompute":
                 return modes.recompute(base, ctx)
-            threshold = ctx.swap_min_bytes
-            if threshold is None:
-                threshold = default_min_bytes(
-                    base.facts, backward_read_by_buffer(base.index, base.facts))
-            # Where the default came down for a network of small tensors,
-            # the usual threshold's plan is tried too: the swap-ins of more,
-            # smaller tensors can crowd the backward pass and plan higher.
-            tried = [threshold]
-            if ctx.swap_min_bytes is None and threshold < heuristics.SWAP_MIN_BYTES:
-                tried.append(heuristics.SWAP_MIN_BYTES)
-            best = None
-            for min_bytes in reversed(tried):   # the usual threshold wins a tie
-                best = _lower_swap(best, base, ctx, min_bytes)
-            # Where that plan's peak still holds kept activations below its
-            # threshold (a U-Net's half-MiB skips), the threshold reaching
-            # them is tried too; its plan stands only if it plans lower.
-            reach = (threshold_at_peak(best[1].index, best[1].facts, best[2])
-                     if ctx.swap_min_bytes is None and best[1] is not None else None)
-            if reach is not None:
-                best = _lower_swap(best, base, ctx, reach)
-            return best[:2]
-
-
-def _lower_swap(best: Optional[tuple], base, ctx: Context, min_bytes: int) -> tuple:
-    """(plan, planned, threshold): the swap plan at min_bytes where it plans
-    lower than best's (or best is None), else best."""
-    plan = budget_planning.swap_stage(
-        base, dataclasses.replace(ctx, swap_min_bytes=min_bytes), ctx.budget)
-    planned = ctx.evaluate(plan, base)
-    if best is None or (planned is not None and (
-            best[1] is None or planned.peak < best[1].peak)):
-        return plan, planned, min_bytes
-    return best
+            if self.kind == "rebuild":
+                return modes.rebuild(base, ctx, judged_here=not self.deferred)
+            return budget_planning.lowest_swap(base, ctx)
 
 
 @dataclasses.dataclass(frozen=True)
 class Then:
     """Stages in order, each over the graph the previous one left; a stage
-    is applied only if it lowers the planned peak."""
+    is applied only if it lowers the planned peak (a deferred one whenever
+    it changes the graph). In a LowerOf, it must plan `margin` (a share of
+    the original planned peak) below the parts before it."""
 
     parts: tuple
+    margin: float = 0.0
 
     @property
     def label(self) -> str:
@@ -160,8 +145,9 @@ class Then:
             run.keep_reasons(plan)
             if planned is None:
                 run.notes.extend(plan.notes)
+                run.void |= stage.deferred
                 continue
-            if planned.peak >= run.current.peak:
+            if planned.peak >= run.current.peak and not stage.deferred:
                 count = len(plan.recomputes) + len(plan.swaps)
                 why = (f"{stage.kind}: {count} tensor(s) planned but not applied: the "
                        f"predicted peak would not fall ({run.current.peak} -> "
@@ -180,8 +166,8 @@ class Then:
 
 @dataclasses.dataclass(frozen=True)
 class LowerOf:
-    """The composition planned lower of two, each with its order edges (the
-    first on a tie); see _finished."""
+    """The composition planned lowest of its parts, each with its order
+    edges (the earliest on a tie); see _finished."""
 
     parts: tuple
 
@@ -211,11 +197,15 @@ class FitBudget:
         return "auto"
 
 
-RECOMPUTE_STAGE, SWAP_STAGE = Stage("recompute"), Stage("swap")
-SWAP_AND_RECOMPUTE = LowerOf((Then((RECOMPUTE_STAGE, SWAP_STAGE)), Then((SWAP_STAGE,))))
+RECOMPUTE_STAGE, REBUILD_STAGE, SWAP_STAGE = Stage("recompute"), Stage("rebuild"), Stage("swap")
+SWAP_AND_RECOMPUTE = LowerOf((
+    Then((RECOMPUTE_STAGE, SWAP_STAGE)),
+    Then((RECOMPUTE_STAGE, Stage("rebuild", deferred=True), SWAP_STAGE),
+         margin=heuristics.REBUILD_PEAK_SHARE),
+    Then((SWAP_STAGE,))))
 POLICIES = {
     "off": Keep(),
-    "recompute": Then((RECOMPUTE_STAGE,)),
+    "recompute": Then((RECOMPUTE_STAGE, REBUILD_STAGE)),
     "swap": Then((SWAP_STAGE,)),
     "swap+recompute": SWAP_AND_RECOMPUTE,
     "auto": FitBudget((RECOMPUTE_STAGE, SWAP_STAGE), fallback=SWAP_AND_RECOMPUTE),
@@ -249,21 +239,33 @@ def _finished(policy: str, composition, base, ctx: Context) -> Outcome:
     """A composition's outcome with weight gradients first and held to its
     order (_gradients_first, _pinned).
 
-    The two parts of a LowerOf are compared finished: the order edges lower
+    The parts of a LowerOf are compared finished: the order edges lower
     some plans far more than others (the zoo's GPT planned 50.4 MiB with
     recompute then swap and 52.6 with swap alone; held to a memory-aware
-    order, 48.4 and 38.8)."""
+    order, 48.4 and 38.8). A part whose deferred stage found nothing to do
+    is another part again: its outcome is None, and it is skipped."""
     if isinstance(composition, LowerOf):
-        first, second = (_finished(policy, part, base, ctx) for part in composition.parts)
-        ours, theirs = (o.planned.peak if o.planned is not None else base.peak
-                        for o in (first, second))
-        if theirs < ours:
-            label = composition.parts[1].label
-            return noted(second, f"{composition.parts[0].label} planned {ours} bytes, "
-                                 f"{label} alone {theirs}: {label} alone applied")
-        return first
-    return _pinned(_gradients_first(_composed(policy, composition, base, ctx), ctx),
-                   base, ctx)
+        finished = [(part, getattr(part, "margin", 0.0) * base.peak, o,
+                     o.planned.peak if o.planned is not None else base.peak)
+                    for part in composition.parts
+                    for o in [_finished(policy, part, base, ctx)] if o is not None]
+        # The parts without a margin by their peaks (the earliest on a tie);
+        # one with a margin must plan that far below every other.
+        plain = [f for f in finished if not f[1]]
+        best = min(plain, key=lambda f: f[3])
+        for f in finished:
+            if f[1] and all(f[3] < other[3] - f[1] for other in plain):
+                best = f
+        part, _, outcome, peak = best
+        if part is not finished[0][0]:
+            label = part.label + (" alone" if len(part.parts) == 1 else "")
+            outcome = noted(outcome, f"{finished[0][0].label} planned {finished[0][3]} "
+                                     f"bytes, {label} {peak}: {label} applied")
+        return outcome
+    composed = _composed(policy, composition, base, ctx)
+    if composed is None:
+        return None
+    return _pinned(_gradients_first(composed, ctx), base, ctx)
 
 
 def _standing(outcome: Outcome, base, ctx: Context, policy: str) -> Outcome:
@@ -345,8 +347,10 @@ def _gradients_first(outcome: Outcome, ctx: Context) -> Outcome:
     return dataclasses.replace(outcome, plan=plan, planned=ordered)
 
 
-def _composed(policy: str, composition, base, ctx: Context) -> Outcome:
+def _composed(policy: str, composition, base, ctx: Context) -> Optional[Outcome]:
     run = composition.run(base, ctx)
+    if run.void:
+        return None
     modified = run.current.graph_def is not base.graph_def
     notes, headroom = list(run.notes), None
     cache_budget = ctx.budget if run.swaps else None

@@ -11,11 +11,10 @@ from sntf.graph import optable
 from sntf.graph.phases import BACKWARD, FORWARD
 from sntf.graph.regions import step_regions
 from sntf.planner import heuristics
-from sntf.planner import backward
 from sntf.planner.backward import (backward_read_by_buffer, backward_read_tensors,
                                    control_flow_note, read_under_control_flow,
-                                   tensor_name)
-from sntf.planner.plan import (RECOMPUTE, Decision, Plan, Recompute, RecomputeGroup,
+                                   reader_groups, tensor_name)
+from sntf.planner.plan import (RECOMPUTE, Decision, Plan, Recompute,
                                identity_plan, keep)
 
 
@@ -103,7 +102,7 @@ def _setting(g, facts, mode, protected, region, memory_tensors, order,
     classes = (optable.CHEAP, optable.CHECKPOINT) if segments else (optable.CHEAP,)
 
     def why_not(i: int) -> Optional[str]:
-        return _not_recomputable(g, phases, protected, region, classes, i)
+        return not_recomputable(g, phases, protected, region, classes, i)
 
     def recomputable(i: int) -> bool:
         return why_not(i) is None
@@ -123,11 +122,25 @@ def _setting(g, facts, mode, protected, region, memory_tensors, order,
                     kept, max_chain, segments)
 
 
-def _not_recomputable(g, phases, protected, region, classes, i: int) -> Optional[str]:
-    """Why node i may not be re-run, or None when it may."""
+def not_recomputable(g, phases, protected, region, classes, i: int,
+                     phase: str = FORWARD) -> Optional[str]:
+    """Why node i may not be re-run, or None when it may.
+
+    Args:
+      g: the graph index.
+      phases: every node's phase (facts.node_phases).
+      protected: nodes that must not be re-run (fetch, preserve).
+      region: nodes under control flow.
+      classes: the op classes that may be re-run (optable.CHEAP, CHECKPOINT).
+      i: the node.
+      phase: the phase a node must be in.
+
+    Returns:
+      The reason, or None.
+    """
     op = g.ops[i]
-    if phases[i] != FORWARD:
-        return "not a forward op"
+    if phases[i] != phase:
+        return f"not a {phase} op"
     if i in protected:
         return "a fetched or preserved node"
     if i in region:
@@ -173,8 +186,8 @@ def _recompute_one(s: _Setting, t: tuple, region) -> Union[str, tuple]:
         return f"its recompute chain is longer than {s.max_chain} ops"
     chain = sorted(chain, key=s.step_of.get)
     name = tensor_name(g, t)
-    groups = _groups(g, readers, "memory" if name in s.memory_tensors else s.mode,
-                     s.step_of, facts)
+    groups = reader_groups(g, readers, "memory" if name in s.memory_tensors else s.mode,
+                           s.step_of, facts)
     if not groups:
         return "no backward op can release its recomputation"
     recipe = Recompute(tensor=name, chain=tuple(g.names[i] for i in chain),
@@ -299,32 +312,3 @@ def segment_inputs(g, facts, recomputable, per_segment: int) -> set:
             chain = frozenset({node})
         chains[node] = chain
     return kept
-
-
-
-def _groups(g, readers, mode, step_of, facts) -> list:
-    """Groups of backward readers, each with the node that releases its clone."""
-    readers = sorted(readers, key=lambda r: step_of[r[0]])
-    batches = [readers] if mode == "speed" else [[r] for r in readers]
-    groups = []
-    for batch in batches:
-        # The gradient that reaches the group's first reader last, on the
-        # tensor's device, releases the clone: an ancestor of that reader, it
-        # runs shortly before it in any executor order. An op merely
-        # scheduled nearby may run far earlier (and the clone with it), may
-        # be another device's (a control edge across devices deadlocked a
-        # step on two logical CPUs), or may be a variable update that
-        # oneDNN later fuses with the reader ("nodes in a cycle"). Scheduled
-        # before every reader of the group, the ancestor never depends on
-        # one of them. A reader without such an input is not served.
-        c, slot = batch[0]
-        device = g.devices[g.data_inputs[c][slot][0]]
-        # No compute to cover (0.0), so step_of may be another order than
-        # facts.schedule (plan_recompute's `order`).
-        trigger = backward.gradient_ancestor(g, facts, step_of, c, 0.0, device)
-        if trigger is None:
-            return []
-        groups.append(RecomputeGroup(
-            consumers=tuple((g.names[c], slot) for c, slot in batch),
-            trigger=g.names[trigger]))
-    return groups

@@ -148,7 +148,7 @@ class Harness:
 
         sntf = self.sntf
         outcome: dict[str, Any] = {"problems": [], "rewritten": False, "swapped": 0,
-                                   "recomputed": 0, "cache_ops": False,
+                                   "recomputed": 0, "rebuilt": 0, "cache_ops": False,
                                    "graphs": 0, "passed": []}
         sntf.disable()
         try:
@@ -200,6 +200,7 @@ class Harness:
             outcome["rewritten"] = True
             outcome["swapped"] += len(result.report["swapped"] or ())
             outcome["recomputed"] += len(result.report["recomputed"] or ())
+            outcome["rebuilt"] += rebuilt_count(result.report)
             outcome["cache_ops"] |= any(n.op.startswith("SnCache")
                                         for n in result.graph_def.node)
             outcome["problems"] += self.check_graph(graph_bytes, fetch, preserve, state,
@@ -255,6 +256,15 @@ class Harness:
             problems.append(f"second pass not idempotent: {again.report['action']} "
                             f"({again.report['reason']})")
         return problems
+
+
+def rebuilt_count(report: dict) -> int:
+    """How many backward tensors a pass report's plan re-runs for their later
+    readers (sntf.planner.rebuild)."""
+    from sntf.planner import rebuild
+
+    decisions = (report.get("plan") or {}).get("decisions", ())
+    return sum(1 for d in decisions if rebuild.is_rebuild(d))
 
 
 def _enable(sntf, spec: dict, options: dict) -> None:
@@ -348,6 +358,7 @@ class Tally:
             c["rewritten, gelu or swish"] += bool(acts & {"gelu", "swish"})
         c["with swaps"] += outcome["swapped"] > 0
         c["with recomputations"] += outcome["recomputed"] > 0
+        c["with backward rebuilds"] += outcome["rebuilt"] > 0
         c["with cache ops"] += outcome["cache_ops"]
         c["tensors swapped"] += outcome["swapped"]
         c["tensors recomputed"] += outcome["recomputed"]

@@ -252,7 +252,7 @@ def dump_graph(tf, report: dict, folder: str, title: str,
 # ---------------------------------------------------------------- summary
 # The pass's stages in the order they run (sntf.passes.run_pass).
 STAGE_ORDER = ("parse", "index", "detect", "shapes", "analysis", "plan_recompute",
-               "plan_swap", "plan_auto", "rewrite")
+               "plan_rebuild", "plan_swap", "plan_auto", "rewrite")
 
 
 def breakdown_line(found: dict) -> str:
