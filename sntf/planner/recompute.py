@@ -8,6 +8,7 @@ import dataclasses
 from typing import Callable, Optional, Union
 
 from sntf.graph import optable
+from sntf.graph.fusions import merge_pairs
 from sntf.graph.phases import BACKWARD, FORWARD
 from sntf.graph.regions import step_regions
 from sntf.planner import heuristics
@@ -32,6 +33,7 @@ class _Setting:
     kept: set                # nodes whose outputs chains start from
     max_chain: int
     segments: int            # segment_checkpoints
+    strict_pairs: tuple      # (first, second) of the pairs merged only without control inputs
 
     def recomputable(self, i: int) -> bool:
         return self.why_not(i) is None
@@ -118,8 +120,9 @@ def _setting(g, facts, mode, protected, region, memory_tensors, order,
         kept = {i for i in range(len(g.names))
                 if any(phases[c] == BACKWARD for c, _, _ in g.consumers[i])}
         max_chain = heuristics.MAX_RECOMPUTE_CHAIN
+    strict_pairs = tuple((p.first, p.second) for p in merge_pairs(g) if p.strict)
     return _Setting(g, facts, mode, memory_tensors, step_of, cost_step, why_not,
-                    kept, max_chain, segments)
+                    kept, max_chain, segments, strict_pairs)
 
 
 def not_recomputable(g, phases, protected, region, classes, i: int,
@@ -184,6 +187,10 @@ def _recompute_one(s: _Setting, t: tuple, region) -> Union[str, tuple]:
     chain = _chain(g, producer, s.recomputable, s.kept, s.max_chain)
     if chain is None:
         return f"its recompute chain is longer than {s.max_chain} ops"
+    held = _held_strict_member(g, chain, s.strict_pairs)
+    if held is not None:
+        return (f"its recompute chain would hold back {g.names[held]}, which oneDNN "
+                "merges into one kernel only without control inputs")
     chain = sorted(chain, key=s.step_of.get)
     name = tensor_name(g, t)
     groups = reader_groups(g, readers, "memory" if name in s.memory_tensors else s.mode,
@@ -201,6 +208,20 @@ def _recompute_one(s: _Setting, t: tuple, region) -> Union[str, tuple]:
                 f"{'per reader' if len(groups) > 1 else 'once'}"),
         bytes_saved=facts.buffer_bytes.get(buffer, 0), seconds_added=seconds)
     return buffer, t, recipe, decision
+
+
+def _held_strict_member(g, chain, strict_pairs: tuple) -> Optional[int]:
+    """A chain node the rewrite would hold back by a control edge (its data
+    inputs are all outside the chain) that belongs, with another node of
+    the chain, to a pair oneDNN merges only without control inputs (a
+    cloned Conv2D -> BiasAdd: sntf.graph.fusions); None if there is none."""
+    members = set(chain)
+    for pair in strict_pairs:
+        if set(pair) <= members:
+            for node in pair:
+                if all(p not in members for p, _ in g.data_inputs[node]):
+                    return node
+    return None
 
 
 def _whole_buffers(g, facts, candidates, segments: bool):
