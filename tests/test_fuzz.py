@@ -400,6 +400,7 @@ def test_random_training_graphs_are_rewritten_correctly(fresh_python):
     assert result["rewritten"] >= CI_CASES // 10, counts
     assert counts.get("with swaps", 0) >= 5, counts
     assert counts.get("with recomputations", 0) >= 2, counts
+    assert counts.get("with backward rebuilds", 0) >= 2, counts
     assert counts.get("with cache ops", 0) >= 2, counts
     assert counts.get("rewritten, unknown batch", 0) >= 2, counts
     # The zoo's shapes among the rewritten: squeeze-and-excitation gates,
