@@ -728,6 +728,14 @@ def mlp_step(widths=(256, 192, 320, 128, 256), batch=512):
             grad = f"grad/h{i - 1}"
     b.retval("ret", "loss")
     graph_def = b.build()
+    return graph_def, _step_props(graph_def, shapes)
+
+
+def _step_props(graph_def, shapes: dict, default: tuple = (),
+                scalar=lambda node: False) -> dict:
+    """The properties of a hand-built step: none for results and updates,
+    handles for the weight arguments, (2,) for "axes", a scalar where
+    scalar(node) says so, else shapes' entry or `default`."""
     props = {}
     for node in graph_def.node:
         if node.op in ("_Retval", "AssignSubVariableOp"):
@@ -736,9 +744,11 @@ def mlp_step(widths=(256, 192, 320, 128, 256), batch=512):
             props[node.name] = [(DT_RESOURCE, ())]
         elif node.name == "axes":
             props[node.name] = [(DT_INT32, (2,))]
+        elif scalar(node):
+            props[node.name] = [(DT_FLOAT, ())]
         else:
-            props[node.name] = [(DT_FLOAT, shapes.get(node.name, ()))]
-    return graph_def, props
+            props[node.name] = [(DT_FLOAT, shapes.get(node.name, default))]
+    return props
 
 
 def swish_step(batch: int = 512, width: int = 256, returns_weights: bool = False):
@@ -794,19 +804,9 @@ def swish_step(batch: int = 512, width: int = 256, returns_weights: bool = False
               "w1_after": (128, width), "y": (batch, out), "grad/y": (batch, out),
               "grad/w2": (width, out), "sgd/mul2": (width, out),
               "grad/w1": (128, width), "sgd/mul1": (128, width)}
-    props = {}
-    for node in graph_def.node:
-        if node.op in ("_Retval", "AssignSubVariableOp"):
-            props[node.name] = []
-        elif node.op == "_Arg" and node.name != "x":
-            props[node.name] = [(DT_RESOURCE, ())]
-        elif node.name == "axes":
-            props[node.name] = [(DT_INT32, (2,))]
-        elif node.op == "Const" or node.name == "loss":
-            props[node.name] = [(DT_FLOAT, ())]
-        else:
-            props[node.name] = [(DT_FLOAT, shapes.get(node.name, (batch, width)))]
-    return graph_def, props
+    return graph_def, _step_props(
+        graph_def, shapes, (batch, width),
+        scalar=lambda node: node.op == "Const" or node.name == "loss")
 
 
 LOOP_FRAME = "while/while_context"
