@@ -283,6 +283,10 @@ def _enable(sntf, spec: dict, options: dict) -> None:
                                              budget=config.Budget(bytes=budget)))
 
 
+# DataType values of float, double, half and bfloat16 (types.proto).
+_FLOAT_TYPES = frozenset({1, 2, 19, 14})
+
+
 def _corrupt(graph_def) -> None:
     """A deliberate wrong rewrite (for --inject-fault): the first reader of a
     tensor sntf recomputed or swapped in gets its negation instead (a Neg
@@ -297,8 +301,12 @@ def _corrupt(graph_def) -> None:
             continue
         for slot, text in enumerate(node.input):
             source = graph.parse_input(text)[0]
+            # Values only: a negated integer tensor may be a shape, and a
+            # negative dimension aborts TensorFlow's process (a CHECK in
+            # oneDNN's convolution backprop) instead of failing the case.
             if text.startswith("^") or source not in generated \
-                    or "T" not in generated[source].attr:
+                    or "T" not in generated[source].attr \
+                    or generated[source].attr["T"].type not in _FLOAT_TYPES:
                 continue
             neg = graph_def.node.add()
             neg.name, neg.op, neg.device = "fuzz_fault/neg", "Neg", node.device
@@ -310,7 +318,7 @@ def _corrupt(graph_def) -> None:
             node.input[slot] = neg.name
             return
     for node in reversed(graph_def.node):
-        if node.op == "AddV2":
+        if node.op == "AddV2" and node.attr["T"].type in _FLOAT_TYPES:
             node.op = "Sub"
             return
 
