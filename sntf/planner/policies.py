@@ -13,7 +13,7 @@ Combinators decide how the answers become one plan:
                      judged by the LowerOf around it)
     LowerOf(a, ...)  the lowest planned peak of its parts, each held to its
                      order (the earliest on a tie; a part that asks for a
-                     margin must plan that much below the ones before it)
+                     margin must plan that much below every other)
     FitBudget(a, b)  per buffer keep, or one of a's or b's answers, the least
                      predicted time that fits the budget; without a budget,
                      its fallback policy
@@ -129,7 +129,7 @@ class Then:
     """Stages in order, each over the graph the previous one left; a stage
     is applied only if it lowers the planned peak (a deferred one whenever
     it changes the graph). In a LowerOf, it must plan `margin` (a share of
-    the original planned peak) below the parts before it."""
+    the original planned peak) below every other part."""
 
     parts: tuple
     margin: float = 0.0
