@@ -259,12 +259,11 @@ class Harness:
 
 
 def rebuilt_count(report: dict) -> int:
-    """How many backward tensors a pass report's plan re-runs for their later
-    readers (sntf.planner.rebuild)."""
+    """How many backward tensors a report's plan rebuilds (planner.rebuild)."""
     from sntf.planner import rebuild
 
-    decisions = (report.get("plan") or {}).get("decisions", ())
-    return sum(1 for d in decisions if rebuild.is_rebuild(d))
+    return sum(1 for d in (report.get("plan") or {}).get("decisions", ())
+               if rebuild.is_rebuild(d))
 
 
 def _enable(sntf, spec: dict, options: dict) -> None:
@@ -301,9 +300,8 @@ def _corrupt(graph_def) -> None:
             continue
         for slot, text in enumerate(node.input):
             source = graph.parse_input(text)[0]
-            # Values only: a negated integer tensor may be a shape, and a
-            # negative dimension aborts TensorFlow's process (a CHECK in
-            # oneDNN's convolution backprop) instead of failing the case.
+            # Values only: a negated integer may be a shape, and a negative
+            # dimension aborts the process (a CHECK in oneDNN's conv backprop).
             if text.startswith("^") or source not in generated \
                     or "T" not in generated[source].attr \
                     or generated[source].attr["T"].type not in _FLOAT_TYPES:
