@@ -135,3 +135,36 @@ class Order:
 
     before: str
     after: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """A policy's result on one analyzed graph.
+
+    Attributes:
+      plan: the Plan (KEEP decisions included, with their reasons).
+      planned: the rewritten graph analyzed, or None when nothing changed.
+      cache_headroom: with conditional swaps, the bytes of swapped tensors
+        the device may keep (the rewrite writes it onto the cache ops).
+      fields: report fields the policy fills (budget_fits, ...).
+      warnings: messages to log once.
+      pinned: whether order edges hold the planned order, the executor's
+        or a memory-aware one (_pinned, _sequenced).
+      held_in_margin: where order edges were dropped only because they
+        would take a plan that fits its budget over its target, the outcome
+        with them (its peak still under the budget); else None.
+    """
+
+    plan: Plan
+    planned: Optional[object] = None
+    cache_headroom: Optional[int] = None
+    fields: dict = dataclasses.field(default_factory=dict)
+    warnings: tuple = ()
+    pinned: bool = False
+    held_in_margin: Optional["Outcome"] = None
+
+
+def noted(outcome: Outcome, note: str) -> Outcome:
+    """The outcome with a note added to its plan."""
+    return dataclasses.replace(outcome, plan=dataclasses.replace(
+        outcome.plan, notes=outcome.plan.notes + (note,)))

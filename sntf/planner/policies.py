@@ -47,36 +47,9 @@ from sntf.planner.backward import backward_read_tensors, tensor_name
 from sntf.planner.context import Context
 from sntf.planner.memory_order import memory_orders
 from sntf.planner.order import plan_gradient_order, plan_sequence
-from sntf.planner.plan import KEEP, Plan, acting, identity_plan, keep
+from sntf.planner.plan import KEEP, Outcome, Plan, acting, identity_plan, keep, noted
 
 OFF_NOTE = "policy 'off': graph left as TensorFlow built it"
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """A policy's result on one analyzed graph.
-
-    Attributes:
-      plan: the Plan (KEEP decisions included, with their reasons).
-      planned: the rewritten graph analyzed, or None when nothing changed.
-      cache_headroom: with conditional swaps, the bytes of swapped tensors
-        the device may keep (the rewrite writes it onto the cache ops).
-      fields: report fields the policy fills (budget_fits, ...).
-      warnings: messages to log once.
-      pinned: whether order edges hold the planned order, the executor's
-        or a memory-aware one (_pinned, _sequenced).
-      held_in_margin: where order edges were dropped only because they
-        would take a plan that fits its budget over its target, the outcome
-        with them (its peak still under the budget); else None.
-    """
-
-    plan: Plan
-    planned: Optional[object] = None
-    cache_headroom: Optional[int] = None
-    fields: dict = dataclasses.field(default_factory=dict)
-    warnings: tuple = ()
-    pinned: bool = False
-    held_in_margin: Optional["Outcome"] = None
 
 
 @dataclasses.dataclass
@@ -138,10 +111,16 @@ class Then:
     def label(self) -> str:
         return " then ".join(p.label for p in self.parts)
 
-    def run(self, base, ctx: Context) -> _Run:
+    def run(self, base, ctx: Context, proposals: Optional[dict] = None) -> _Run:
+        """proposals: (stage, graph) -> the stage's proposal, shared by the
+        parts of a LowerOf, which start from the same stages on one graph."""
         run = _Run(current=base, decisions=[], notes=[])
+        proposals = {} if proposals is None else proposals
         for stage in self.parts:
-            plan, planned = stage.propose(run.current, ctx)
+            key = (stage, id(run.current))
+            if key not in proposals:   # the graph is kept, so its id stays its own
+                proposals[key] = (run.current, *stage.propose(run.current, ctx))
+            _, plan, planned = proposals[key]
             run.keep_reasons(plan)
             if planned is None:
                 run.notes.extend(plan.notes)
@@ -232,10 +211,10 @@ def plan(policy: str, base, ctx: Context, name: str = "") -> Outcome:
         if ctx.budget is not None:
             return _fitted_in_order(base, ctx, name)
         composition = composition.fallback
-    return _standing(_finished(policy, composition, base, ctx), base, ctx, policy)
+    return _standing(_finished(policy, composition, base, ctx, {}), base, ctx, policy)
 
 
-def _finished(policy: str, composition, base, ctx: Context) -> Outcome:
+def _finished(policy: str, composition, base, ctx: Context, proposals: dict) -> Outcome:
     """A composition's outcome with weight gradients first and held to its
     order (_gradients_first, _pinned).
 
@@ -248,7 +227,8 @@ def _finished(policy: str, composition, base, ctx: Context) -> Outcome:
         finished = [(part, getattr(part, "margin", 0.0) * base.peak, o,
                      o.planned.peak if o.planned is not None else base.peak)
                     for part in composition.parts
-                    for o in [_finished(policy, part, base, ctx)] if o is not None]
+                    for o in [_finished(policy, part, base, ctx, proposals)]
+                    if o is not None]
         # The parts without a margin by their peaks (the earliest on a tie);
         # one with a margin must plan that far below every other.
         plain = [f for f in finished if not f[1]]
@@ -262,7 +242,7 @@ def _finished(policy: str, composition, base, ctx: Context) -> Outcome:
             outcome = noted(outcome, f"{finished[0][0].label} planned {finished[0][3]} "
                                      f"bytes, {label} {peak}: {label} applied")
         return outcome
-    composed = _composed(policy, composition, base, ctx)
+    composed = _composed(policy, composition, base, ctx, proposals)
     if composed is None:
         return None
     return _pinned(_gradients_first(composed, ctx), base, ctx)
@@ -347,8 +327,9 @@ def _gradients_first(outcome: Outcome, ctx: Context) -> Outcome:
     return dataclasses.replace(outcome, plan=plan, planned=ordered)
 
 
-def _composed(policy: str, composition, base, ctx: Context) -> Optional[Outcome]:
-    run = composition.run(base, ctx)
+def _composed(policy: str, composition, base, ctx: Context,
+              proposals: dict) -> Optional[Outcome]:
+    run = composition.run(base, ctx, proposals)
     if run.void:
         return None
     modified = run.current.graph_def is not base.graph_def
@@ -456,12 +437,6 @@ def _sequenced(outcome: Outcome, planned, ctx: Context, least: int, merges) -> t
 def _dropped_note(orders: tuple, planned, pinned) -> str:
     return (f"order: {len(orders)} edge(s) not applied: the predicted peak would "
             f"rise ({planned.peak} -> {pinned.peak if pinned else None} bytes)")
-
-
-def noted(outcome: Outcome, note: str) -> Outcome:
-    """The outcome with a note added to its plan."""
-    return dataclasses.replace(outcome, plan=dataclasses.replace(
-        outcome.plan, notes=outcome.plan.notes + (note,)))
 
 
 def _fitted(base, ctx: Context, name: str) -> Outcome:

@@ -33,7 +33,7 @@ from sntf.graph.regions import step_regions
 from sntf.planner import heuristics
 from sntf.planner.backward import control_flow_note, reader_groups, tensor_name
 from sntf.planner.plan import RECOMPUTE, Decision, Plan, Recompute, identity_plan
-from sntf.planner.recompute import not_recomputable
+from sntf.planner.recompute import chain_of, not_recomputable
 
 # What a rebuilt tensor's decision reason starts with (is_rebuild).
 REASON = "cheap backward"
@@ -46,13 +46,11 @@ class _Setting:
     g: object
     facts: object
     mode: str
-    step_of: dict            # node -> position in the order readers are sorted by
-    cost_step: dict          # node -> schedule step (step_seconds' index)
+    step_of: dict            # node -> schedule step (facts.schedule, step_seconds' index)
     why_not: Callable[[int], Optional[str]]   # why a backward node may not be re-run
 
 
-def plan_rebuilds(g, facts, mode: str, protected: frozenset = frozenset(),
-                  order: Optional[tuple] = None) -> Plan:
+def plan_rebuilds(g, facts, mode: str, protected: frozenset = frozenset()) -> Plan:
     """Re-runs cheap backward tensors for their readers after the first.
 
     Args:
@@ -61,8 +59,6 @@ def plan_rebuilds(g, facts, mode: str, protected: frozenset = frozenset(),
       mode: "speed" (one clone serves every later reader) or "memory" (one
         clone per later reader).
       protected: node indices that must not be re-run (fetch, preserve).
-      order: the node order readers are sorted by and release points picked
-        on; None: facts.schedule.
 
     Returns:
       A Plan with one RECOMPUTE decision and one Recompute recipe per
@@ -72,16 +68,14 @@ def plan_rebuilds(g, facts, mode: str, protected: frozenset = frozenset(),
     regions = step_regions(g)
     if regions.loops:
         return identity_plan("recompute", "control flow present (a loop): not rebuilt")
-    cost_step = {node: k for k, node in enumerate(facts.schedule)}
     phases, region = facts.node_phases, regions.region
 
     def why_not(i: int) -> Optional[str]:
         return not_recomputable(g, phases, protected, region, (optable.CHEAP,), i,
                                 BACKWARD)
 
-    s = _Setting(g, facts, mode,
-                 {node: k for k, node in enumerate(order)} if order else cost_step,
-                 cost_step, why_not)
+    s = _Setting(g, facts, mode, {node: k for k, node in enumerate(facts.schedule)},
+                 why_not)
     least = heuristics.REBUILD_PEAK_SHARE * facts.predicted_peak_bytes
     recipes, decisions = [], []
     for producer in facts.schedule:
@@ -111,9 +105,10 @@ def _rebuild_one(s: _Setting, t: tuple, buffer) -> Optional[tuple]:
                      key=lambda r: s.step_of[r[0]])
     if len(readers) < 2 or any(facts.node_phases[c] != BACKWARD for c, _ in readers):
         return None
-    chain = _chain(g, producer, s.why_not, heuristics.MAX_RECOMPUTE_CHAIN)
+    chain = chain_of(g, producer, lambda i: s.why_not(i) is None)
     if chain is None:
         return None
+    chain = set(chain)
     roots = {(p, q) for i in chain for p, q in g.data_inputs[i] if p not in chain}
     if any(facts.node_phases[p] == BACKWARD for p, _ in roots):
         return None
@@ -129,7 +124,7 @@ def _rebuild_one(s: _Setting, t: tuple, buffer) -> Optional[tuple]:
     chain = sorted(chain, key=s.step_of.get)
     recipe = Recompute(tensor=tensor_name(g, t), chain=tuple(g.names[i] for i in chain),
                        groups=tuple(groups))
-    seconds = sum(facts.step_seconds[s.cost_step[i]] for i in chain) * len(groups)
+    seconds = sum(facts.step_seconds[s.step_of[i]] for i in chain) * len(groups)
     decision = Decision(
         tensor=recipe.tensor, action=RECOMPUTE,
         reason=(f"{REASON} {g.ops[producer]} output read by {len(readers)} "
@@ -137,24 +132,6 @@ def _rebuild_one(s: _Setting, t: tuple, buffer) -> Optional[tuple]:
                 f"the first{' per reader' if len(groups) > 1 else ''}"),
         bytes_saved=facts.buffer_bytes.get(buffer, 0), seconds_added=seconds)
     return recipe, decision
-
-
-def _chain(g, producer: int, why_not, max_chain: int) -> Optional[set]:
-    """The backward nodes to re-run for `producer`: it and the cheap
-    backward ops it reads, on its device; None past max_chain nodes."""
-    chain, stack = {producer}, [producer]
-    while stack:
-        node = stack.pop()
-        for p, _ in g.data_inputs[node]:
-            if (p in chain or why_not(p) is not None
-                    or g.ops[p] in optable.RECOMPUTE_VIEW_OPS
-                    or g.devices[p] != g.devices[producer]):
-                continue
-            chain.add(p)
-            if len(chain) > max_chain:
-                return None
-            stack.append(p)
-    return chain
 
 
 def is_rebuild(decision) -> bool:

@@ -184,7 +184,7 @@ def _recompute_one(s: _Setting, t: tuple, region) -> Union[str, tuple]:
         return "read by the backward pass for its shape only"
     if read_under_control_flow(g, t, region):
         return "read under control flow"
-    chain = _chain(g, producer, s.recomputable, s.kept, s.max_chain)
+    chain = chain_of(g, producer, s.recomputable, s.kept, s.max_chain)
     if chain is None:
         return f"its recompute chain is longer than {s.max_chain} ops"
     held = _held_strict_member(g, chain, s.strict_pairs)
@@ -275,10 +275,11 @@ def _chain_input_buffers(g, facts, recipe) -> set:
             for p, port in g.data_inputs[i] if p not in members}
 
 
-def _chain(g, producer: int, recomputable, kept: set,
-           max_chain: int = heuristics.MAX_RECOMPUTE_CHAIN) -> Optional[list]:
-    """The nodes to re-run for `producer` (on its device: clones run where
-    their originals did), or None if the chain is too long."""
+def chain_of(g, producer: int, recomputable, kept=frozenset(),
+             max_chain: int = heuristics.MAX_RECOMPUTE_CHAIN) -> Optional[list]:
+    """The nodes to re-run for `producer`: it and the re-runnable ops it
+    reads, short of `kept` (on its device: clones run where their originals
+    did), or None if the chain is longer than max_chain."""
     chain, stack = {producer}, [producer]
     while stack:
         node = stack.pop()

@@ -282,18 +282,18 @@ def _enable(sntf, spec: dict, options: dict) -> None:
                                              budget=config.Budget(bytes=budget)))
 
 
-# DataType values of float, double, half and bfloat16 (types.proto).
-_FLOAT_TYPES = frozenset({1, 2, 19, 14})
-
-
 def _corrupt(graph_def) -> None:
     """A deliberate wrong rewrite (for --inject-fault): the first reader of a
     tensor sntf recomputed or swapped in gets its negation instead (a Neg
     node in between), or, where no such edge has a dtype to go by, the last
     AddV2 becomes a Sub."""
+    from tensorflow.core.framework import types_pb2
+
     from sntf import graph
     from sntf.graph import names
 
+    floats = {types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_HALF,
+              types_pb2.DT_BFLOAT16}
     generated = {n.name: n for n in graph_def.node if names.role_of(n)}
     for node in graph_def.node:
         if node.name in generated:
@@ -304,7 +304,7 @@ def _corrupt(graph_def) -> None:
             # dimension aborts the process (a CHECK in oneDNN's conv backprop).
             if text.startswith("^") or source not in generated \
                     or "T" not in generated[source].attr \
-                    or generated[source].attr["T"].type not in _FLOAT_TYPES:
+                    or generated[source].attr["T"].type not in floats:
                 continue
             neg = graph_def.node.add()
             neg.name, neg.op, neg.device = "fuzz_fault/neg", "Neg", node.device
@@ -316,7 +316,7 @@ def _corrupt(graph_def) -> None:
             node.input[slot] = neg.name
             return
     for node in reversed(graph_def.node):
-        if node.op == "AddV2" and node.attr["T"].type in _FLOAT_TYPES:
+        if node.op == "AddV2" and node.attr["T"].type in floats:
             node.op = "Sub"
             return
 
