@@ -513,17 +513,17 @@ def _fit_with_order_rise(monkeypatch, base, budget: int, rise: int):
     """Policy "auto" under `budget`, with the planned-order edges
     (plan_sequence) raising the analyzed peak of any plan by `rise`."""
     from sntf import rewrite
-    from sntf.planner import policies
+    from sntf.planner import finish
 
     sequences = []
-    real_sequence = policies.plan_sequence
+    real_sequence = finish.plan_sequence
 
     def recorded(*args, **kwargs):
         orders = real_sequence(*args, **kwargs)
         sequences.append(frozenset(orders))
         return orders
 
-    monkeypatch.setattr(policies, "plan_sequence", recorded)
+    monkeypatch.setattr(finish, "plan_sequence", recorded)
     real = rewrite.evaluator(None)
 
     def evaluate(plan, analyzed_graph):

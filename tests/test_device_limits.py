@@ -206,7 +206,7 @@ def test_where_the_allocator_model_runs_out_on_every_plan_the_lowest_is_taken(
     """Near the limit whether a step finds its chunks turns on the
     executor's order: the plan that leaves the most room is taken, and
     the report does not say it fits."""
-    from sntf.planner import policies
+    from sntf.planner import finish
 
     run, _ = _budget_plan(0.55)
     report = run.report
@@ -216,7 +216,7 @@ def test_where_the_allocator_model_runs_out_on_every_plan_the_lowest_is_taken(
     # Under a limit the plan holds the executor's order; without a budget
     # the planner may offer a memory-aware one, which this comparison
     # leaves out.
-    monkeypatch.setattr(policies, "memory_orders", lambda g, facts, held: ())
+    monkeypatch.setattr(finish, "memory_orders", lambda g, facts, held: ())
     lowest = passes.run_pass(g.SerializeToString(), ["ret"], [], config.State(
         enabled=True, policy="swap+recompute", budget=None,
         options=config.parse_options({})), properties_fn(props)).report

@@ -457,21 +457,21 @@ def _deferred_filter_gradient(filter_last: bool):
 
 
 def test_a_rewritten_graph_runs_weight_gradients_first_where_that_plans_lower():
-    from sntf.planner import policies
+    from sntf.planner import finish, policies
 
     ctx = context()
     plan = planner.Plan(policy="swap")
     deferred = _deferred_filter_gradient(filter_last=False)
-    got = policies._gradients_first(policies.Outcome(plan, planned=deferred), ctx)
+    got = finish.gradients_first(policies.Outcome(plan, planned=deferred), ctx)
     assert [(o.before, o.after) for o in got.plan.orders] == [("W", "I")]
     assert got.planned.peak < deferred.peak
     assert "weight gradient(s) run before the input gradient" in got.plan.notes[-1]
     # W already runs first: the edge plans no lower and is left out.
     first = _deferred_filter_gradient(filter_last=True)
-    kept = policies._gradients_first(policies.Outcome(plan, planned=first), ctx)
+    kept = finish.gradients_first(policies.Outcome(plan, planned=first), ctx)
     assert kept.plan.orders == () and kept.planned is first
     # Nothing rewritten: nothing to order.
-    assert policies._gradients_first(policies.Outcome(plan), ctx).plan is plan
+    assert finish.gradients_first(policies.Outcome(plan), ctx).plan is plan
 
 
 def test_a_stage_timed_twice_reports_both_times(monkeypatch):
@@ -612,14 +612,14 @@ def test_the_planner_keeps_the_candidate_order_that_plans_lowest(monkeypatch, se
     that plans lowest. Offered a random order first, it keeps the better
     one after it."""
     from sntf.planner import memory_order as memory_aware
-    from sntf.planner import policies
+    from sntf.planner import finish
 
     graph_def, props = _with_metrics(*mlp_step(WIDTHS, batch=256))
     base = analyzed(graph_def, FETCH, props)
     real = memory_aware.memory_orders
 
     def offered(candidates):
-        monkeypatch.setattr(policies, "memory_orders", candidates)
+        monkeypatch.setattr(finish, "memory_orders", candidates)
         return planner.plan("swap+recompute", base, context()).planned.peak
 
     def shuffled(g, facts):
@@ -642,7 +642,7 @@ def test_pinned_edges_hold_a_memory_aware_order_where_it_plans_lower(monkeypatch
     memory-aware order, it plans at most 1.5."""
     import os
 
-    from sntf.planner import policies
+    from sntf.planner import finish
     from sntf.testing import corpus
 
     entry = corpus.load(os.path.join(os.path.dirname(__file__), "corpus", "graphs",
@@ -653,7 +653,7 @@ def test_pinned_edges_hold_a_memory_aware_order_where_it_plans_lower(monkeypatch
     assert "memory-aware order" in report["reason"], report["reason"]
     assert report["planned_peak_bytes"] <= 1.5 * report["lower_bound_bytes"], report["reason"]
     # The control: the same plan held to the executor's order.
-    monkeypatch.setattr(policies, "memory_orders", lambda g, facts, held: ())
+    monkeypatch.setattr(finish, "memory_orders", lambda g, facts, held: ())
     plain = corpus.run(entry, cfg).report
     assert "memory-aware order" not in plain["reason"], plain["reason"]
     assert plain["planned_peak_bytes"] > 1.5 * plain["lower_bound_bytes"], plain["reason"]

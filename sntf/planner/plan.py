@@ -149,7 +149,7 @@ class Outcome:
       fields: report fields the policy fills (budget_fits, ...).
       warnings: messages to log once.
       pinned: whether order edges hold the planned order, the executor's
-        or a memory-aware one (_pinned, _sequenced).
+        or a memory-aware one (sntf.planner.finish).
       held_in_margin: where order edges were dropped only because they
         would take a plan that fits its budget over its target, the outcome
         with them (its peak still under the budget); else None.

@@ -28,10 +28,9 @@ The user's policies are compositions (POLICIES):
     "auto"            FitBudget(recompute, swap, fallback="swap+recompute")
 
 Whatever a composition rewrote is then held to an order by order
-edges (order.plan_sequence; option pin_order), where the analysis of the
+edges (sntf.planner.finish; option pin_order), where the analysis of the
 chained graph stands behind them: the executor's order, or without a
-budget or device limit a memory-aware one where that plans lower
-(memory_orders). Without a budget, a rewritten graph that
+budget or device limit a memory-aware one where that plans lower. Without a budget, a rewritten graph that
 plans less than option min_gain (5%) below the original is not applied.
 """
 
@@ -40,13 +39,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from sntf.graph.fusions import merge_members
+from sntf.graph.names import split_tensor
 from sntf.planner import budget as budget_planning
 from sntf.planner import heuristics, modes
 from sntf.planner.backward import backward_read_tensors, tensor_name
 from sntf.planner.context import Context
-from sntf.planner.memory_order import memory_orders
-from sntf.planner.order import plan_gradient_order, plan_sequence
+from sntf.planner.finish import gradients_first, pinned
 from sntf.planner.plan import KEEP, Outcome, Plan, acting, identity_plan, keep, noted
 
 OFF_NOTE = "policy 'off': graph left as TensorFlow built it"
@@ -111,9 +109,13 @@ class Then:
     def label(self) -> str:
         return " then ".join(p.label for p in self.parts)
 
-    def run(self, base, ctx: Context, proposals: Optional[dict] = None) -> _Run:
+    def run(self, base, ctx: Context, proposals: Optional[dict] = None,
+            rival=None) -> _Run:
         """proposals: (stage, graph) -> the stage's proposal, shared by the
-        parts of a LowerOf, which start from the same stages on one graph."""
+        parts of a LowerOf, which start from the same stages on one graph.
+        rival: the analyzed graph this composition must plan below, or None;
+        a deferred stage none of whose tensors is live at its peak cannot
+        lower that peak, and the run is void without the stages after it."""
         run = _Run(current=base, decisions=[], notes=[])
         proposals = {} if proposals is None else proposals
         for stage in self.parts:
@@ -122,9 +124,14 @@ class Then:
                 proposals[key] = (run.current, *stage.propose(run.current, ctx))
             _, plan, planned = proposals[key]
             run.keep_reasons(plan)
+            if stage.deferred and planned is not None and rival is not None \
+                    and not _any_live_at_peak(plan, rival):
+                planned = None
             if planned is None:
                 run.notes.extend(plan.notes)
                 run.void |= stage.deferred
+                if run.void:
+                    return run
                 continue
             if planned.peak >= run.current.peak and not stage.deferred:
                 count = len(plan.recomputes) + len(plan.swaps)
@@ -141,6 +148,24 @@ class Then:
             run.recomputes += plan.recomputes
             run.swaps += plan.swaps
         return run
+
+
+def _any_live_at_peak(plan: Plan, planned) -> bool:
+    """Whether a tensor a plan acts on is live at the planned peak of
+    another analyzed graph (where it is not in that graph: it may be)."""
+    g, facts = planned.index, planned.facts
+    for d in acting(plan.decisions):
+        node, port = split_tensor(d.tensor)
+        if node not in g.index:
+            return True
+        buffer = facts.buffer_of((g.node(node), port))
+        if buffer is None:
+            continue   # no memory of its own there
+        # A buffer without an interval lives through the step.
+        start, stop = facts.buffer_intervals.get(buffer, (0, facts.peak_step))
+        if start <= facts.peak_step <= stop:
+            return True
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,38 +239,61 @@ def plan(policy: str, base, ctx: Context, name: str = "") -> Outcome:
     return _standing(_finished(policy, composition, base, ctx, {}), base, ctx, policy)
 
 
-def _finished(policy: str, composition, base, ctx: Context, proposals: dict) -> Outcome:
+def _finished(policy: str, composition, base, ctx: Context, proposals: dict,
+              rival=None) -> Optional[Outcome]:
     """A composition's outcome with weight gradients first and held to its
-    order (_gradients_first, _pinned).
+    order (sntf.planner.finish).
 
     The parts of a LowerOf are compared finished: the order edges lower
     some plans far more than others (the zoo's GPT planned 50.4 MiB with
     recompute then swap and 52.6 with swap alone; held to a memory-aware
-    order, 48.4 and 38.8). A part whose deferred stage found nothing to do
-    is another part again: its outcome is None, and it is skipped."""
+    order, 48.4 and 38.8). A part whose deferred stage found nothing to do,
+    or nothing live at the peak of the best plain part (rival), is another
+    part again: its outcome is None, and it is skipped."""
     if isinstance(composition, LowerOf):
-        finished = [(part, getattr(part, "margin", 0.0) * base.peak, o,
-                     o.planned.peak if o.planned is not None else base.peak)
-                    for part in composition.parts
-                    for o in [_finished(policy, part, base, ctx, proposals)]
-                    if o is not None]
-        # The parts without a margin by their peaks (the earliest on a tie);
-        # one with a margin must plan that far below every other.
-        plain = [f for f in finished if not f[1]]
-        best = min(plain, key=lambda f: f[3])
-        for f in finished:
-            if f[1] and all(f[3] < other[3] - f[1] for other in plain):
-                best = f
-        part, _, outcome, peak = best
-        if part is not finished[0][0]:
-            label = part.label + (" alone" if len(part.parts) == 1 else "")
-            outcome = noted(outcome, f"{finished[0][0].label} planned {finished[0][3]} "
-                                     f"bytes, {label} {peak}: {label} applied")
-        return outcome
-    composed = _composed(policy, composition, base, ctx, proposals)
+        return _lowest(policy, composition, base, ctx, proposals)
+    composed = _composed(policy, composition, base, ctx, proposals, rival)
     if composed is None:
         return None
-    return _pinned(_gradients_first(composed, ctx), base, ctx)
+    return pinned(gradients_first(composed, ctx), base, ctx)
+
+
+def _lowest(policy: str, composition: LowerOf, base, ctx: Context,
+            proposals: dict) -> Outcome:
+    """The LowerOf's part planned lowest, finished: the parts without a
+    margin by their peaks (the earliest on a tie); one with a margin where
+    it plans that far below every other."""
+    def peak(o):
+        return o.planned.peak if o.planned is not None else base.peak
+
+    # (position, part, margin in bytes, outcome, planned peak)
+    finished = []
+    for k, part in enumerate(composition.parts):
+        if not getattr(part, "margin", 0.0):
+            o = _finished(policy, part, base, ctx, proposals)
+            finished.append((k, part, 0.0, o, peak(o)))
+    plain = min(finished, key=lambda f: (f[4], f[0]))
+    best = plain
+    for k, part in enumerate(composition.parts):
+        margin = getattr(part, "margin", 0.0) * base.peak
+        if margin:
+            # A part with a deferred stage is held to the same part without
+            # it, whose graph names the tensors the stage acts on.
+            without = tuple(s for s in part.parts if not getattr(s, "deferred", False))
+            rival = next((f[3].planned or base for f in finished
+                          if getattr(f[1], "parts", None) == without), None)
+            o = _finished(policy, part, base, ctx, proposals, rival)
+            if o is not None:
+                finished.append((k, part, margin, o, peak(o)))
+                if peak(o) < plain[4] - margin and peak(o) < best[4]:
+                    best = finished[-1]
+    first = min(finished, key=lambda f: f[0])
+    _, part, _, outcome, planned_peak = best
+    if part is not first[1]:
+        label = part.label + (" alone" if len(part.parts) == 1 else "")
+        outcome = noted(outcome, f"{first[1].label} planned {first[4]} "
+                                 f"bytes, {label} {planned_peak}: {label} applied")
+    return outcome
 
 
 def _standing(outcome: Outcome, base, ctx: Context, policy: str) -> Outcome:
@@ -278,14 +326,14 @@ def _fitted_in_order(base, ctx: Context, name: str) -> Outcome:
     the inter-op pool runs some other order: the measured peak is left to
     chance. Such a plan is fitted once more under a target lower by what
     the edges added, and that plan is taken where it fits with its edges."""
-    outcome = _pinned(_gradients_first(_fitted(base, ctx, name), ctx), base, ctx)
+    outcome = pinned(gradients_first(_fitted(base, ctx, name), ctx), base, ctx)
     held = outcome.held_in_margin
     if held is None:
         return outcome
     rise = held.planned.peak - outcome.planned.peak
     roomy = dataclasses.replace(ctx, order_reserve=ctx.order_reserve + rise)
     # The edges are then judged against the budget's own target (ctx).
-    again = _pinned(_gradients_first(_fitted(base, roomy, name), roomy), base, ctx)
+    again = pinned(gradients_first(_fitted(base, roomy, name), roomy), base, ctx)
     if again.pinned and again.fields.get("budget_fits"):
         return again
     # No plan fits the target with its edges: the first plan keeps them,
@@ -296,40 +344,9 @@ def _fitted_in_order(base, ctx: Context, name: str) -> Outcome:
     return held
 
 
-def _gradients_first(outcome: Outcome, ctx: Context) -> Outcome:
-    """The outcome with each weight gradient ordered before the input
-    gradient of the same output gradient (order.plan_gradient_order), where
-    the rewritten graph then plans lower.
-
-    A rewrite makes the executor defer weight gradients: a filter gradient
-    whose input is swapped in, or recomputed, is ready only after the input
-    gradient it shares an output gradient with, and the executor defers it
-    behind that chain; both its tensors then stay alive down the network."""
-    planned = outcome.planned
-    if planned is None:
-        return outcome
-    with ctx.timed("plan_order"):
-        try:
-            taken = {(o.before, o.after) for o in outcome.plan.orders}
-            orders = tuple(o for o in plan_gradient_order(planned.index)
-                           if (o.before, o.after) not in taken)
-            ordered = (ctx.evaluate(Plan(policy=outcome.plan.policy, orders=orders),
-                                    planned) if orders else None)
-        except Exception as e:  # noqa: BLE001 - an optional stage never fails a plan
-            return noted(outcome, f"order: gradient edges not applied: "
-                                   f"{type(e).__name__}: {e}")
-    if ordered is None or ordered.peak >= planned.peak:
-        return outcome
-    plan = outcome.plan
-    plan = dataclasses.replace(plan, orders=plan.orders + orders, notes=plan.notes + (
-        f"order: {len(orders)} weight gradient(s) run before the input gradient of "
-        f"the same output gradient ({planned.peak} -> {ordered.peak} bytes)",))
-    return dataclasses.replace(outcome, plan=plan, planned=ordered)
-
-
-def _composed(policy: str, composition, base, ctx: Context,
-              proposals: dict) -> Optional[Outcome]:
-    run = composition.run(base, ctx, proposals)
+def _composed(policy: str, composition, base, ctx: Context, proposals: dict,
+              rival=None) -> Optional[Outcome]:
+    run = composition.run(base, ctx, proposals, rival)
     if run.void:
         return None
     modified = run.current.graph_def is not base.graph_def
@@ -344,99 +361,6 @@ def _composed(policy: str, composition, base, ctx: Context,
                   recomputes=run.recomputes, swaps=run.swaps, cache_budget=cache_budget)
     return Outcome(_with_keeps(result, base, run.kept, f"policy {policy!r}"),
                    run.current if modified else None, headroom)
-
-
-def _pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
-    """The outcome with the rewritten graph's large allocations and frees
-    held to an order (plan_sequence, _sequenced), where the analysis stands
-    behind it: the chained graph, analyzed, plans no higher than the
-    unchained one, give or take what one unchained op allocates, and a plan
-    that fits its budget still fits its target (else held_in_margin)."""
-    planned = outcome.planned
-    if not ctx.pin_order or planned is None:
-        return outcome
-    least = max(heuristics.SEQUENCE_MIN_BYTES,
-                int(heuristics.SEQUENCE_PEAK_SHARE * planned.peak))
-    with ctx.timed("plan_order"):
-        # The edges are optional: whatever goes wrong with them leaves the
-        # plan as it was, with the reason in its notes.
-        try:
-            merges = merge_members(planned.index) if ctx.onednn else None
-            orders, pinned, kind = _sequenced(outcome, planned, ctx, least, merges)
-            if not orders:
-                return outcome
-        except Exception as e:  # noqa: BLE001 - an optional stage never fails a plan
-            return noted(outcome, f"order: edges not applied: {type(e).__name__}: {e}")
-        plan = dataclasses.replace(outcome.plan, orders=outcome.plan.orders + orders)
-    # The ops left unchained may fall elsewhere in the one-thread order
-    # once the chained ones wait for each other, moving the predicted peak.
-    # The unchained plan's peak is that of one order, which the inter-op
-    # pool does not keep (its measured peaks ran 10-40% above it), so a
-    # chained plan is worth a small predicted rise: the order it predicts
-    # is the order that runs.
-    rise = max(least, int(heuristics.SEQUENCE_RISE_SHARE * planned.peak))
-    if pinned is None or pinned.peak > planned.peak + rise:
-        return noted(outcome, _dropped_note(orders, planned, pinned))
-    headroom = outcome.cache_headroom
-    if headroom is not None and plan.cache_budget is not None:
-        headroom = budget_planning.cache_headroom(pinned.facts, plan.cache_budget,
-                                                  ctx.outside_bytes, ctx.budget_margin)
-    held = dataclasses.replace(
-        outcome, plan=dataclasses.replace(plan, notes=plan.notes + (
-            f"order: {len(orders)} edge(s) hold the ops that allocate or free "
-            f"{least} bytes or more to the {kind}",)),
-        planned=pinned, cache_headroom=headroom, pinned=True)
-    if ctx.budget is None or not outcome.fields.get("budget_fits"):
-        return held
-    if pinned.peak <= budget_planning.budget_target(base, ctx):
-        return held
-    # A plan that fits its budget must still fit its target. Only that left
-    # the edges no room: _fitted_in_order fits again, or takes them into the
-    # budget's margin where they stay under the budget itself.
-    in_margin = None
-    if pinned.peak <= ctx.budget - ctx.outside_bytes:
-        in_margin = noted(held, (
-            f"order: the edges take the planned peak {pinned.peak - planned.peak} "
-            f"bytes into the budget's margin: no plan fits the target with them"))
-    return dataclasses.replace(noted(outcome, _dropped_note(orders, planned, pinned)),
-                               held_in_margin=in_margin)
-
-
-def _sequenced(outcome: Outcome, planned, ctx: Context, least: int, merges) -> tuple:
-    """(order edges, the graph chained by them analyzed, which order they
-    hold): the executor's order as planned, or, where ctx.memory_order, a
-    memory-aware order of the same ops (memory_orders) where the graph
-    chained to it plans lower.
-
-    Not under a budget or a device limit: there the plan's prediction
-    decides what fits (and sizes the tensor cache's headroom), so it must be
-    one the run reaches. The zoo's SE-ResNet at half TensorFlow's peak, held
-    to the memory-aware order, planned 0.82 of what it measured and
-    measured 1.11 times a budget it was said to fit."""
-    def chained(facts):
-        orders = plan_sequence(planned.index, facts, least, merges)
-        # The edges name the planned graph's nodes (clones and swap-ins
-        # included), so they are applied to it, not to the base graph.
-        return orders, (ctx.evaluate(Plan(policy=outcome.plan.policy, orders=orders),
-                                     planned) if orders else None)
-
-    orders, pinned = chained(planned.facts)
-    if not ctx.memory_order:
-        return orders, pinned, "planned order"
-    best = (orders, pinned, "planned order")
-    try:
-        for reordered in memory_orders(planned.index, planned.facts, ctx.pool):
-            other, tried = chained(reordered)
-            if tried is not None and (best[1] is None or tried.peak < best[1].peak):
-                best = (other, tried, "memory-aware order")
-    except Exception:  # noqa: BLE001 - the orders tried so far stand
-        pass
-    return best
-
-
-def _dropped_note(orders: tuple, planned, pinned) -> str:
-    return (f"order: {len(orders)} edge(s) not applied: the predicted peak would "
-            f"rise ({planned.peak} -> {pinned.peak if pinned else None} bytes)")
 
 
 def _fitted(base, ctx: Context, name: str) -> Outcome:
