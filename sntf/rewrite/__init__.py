@@ -12,7 +12,7 @@ from typing import Optional
 from sntf.analysis import Analyzed, analyze_graph
 from sntf.rewrite.apply import RewriteResult, apply_plan, set_cache_limits
 from sntf.rewrite.fusions import keep_merges, merged_pairs
-from sntf.rewrite.validate import validate
+from sntf.rewrite.validate import index_as, validate
 
 __all__ = ["RewriteResult", "apply_plan", "evaluator", "keep_merges", "set_cache_limits",
            "validate"]
@@ -38,14 +38,19 @@ def evaluator(threads: Optional[int], onednn: bool = False):
         result = apply_plan(base.graph_def, plan)
         if not result.modified:
             return None
-        graph_def = result.graph_def
+        graph_def, index = result.graph_def, None
         if onednn:
             # The same base graph is evaluated with many plans (the budget
             # search): its merged pairs are found once.
             if merged.get("index") is not base.index:
                 merged.update(index=base.index, pairs=merged_pairs(base.index))
-            graph_def = keep_merges(graph_def, base.index, merged["pairs"])
-        index = validate(graph_def, base.index)
+            # Indexing a large graph is a tenth of a second: the index
+            # keep_merges reads is validate's too where it changes nothing.
+            index = index_as(graph_def, base.index)
+            kept = keep_merges(graph_def, base.index, merged["pairs"], index)
+            index = index if kept is graph_def else None
+            graph_def = kept
+        index = validate(graph_def, base.index, index)
         return analyze_graph(graph_def, index, base.props, base.facts.batch,
                              threads, onednn)
 

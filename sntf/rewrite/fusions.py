@@ -19,7 +19,8 @@ def merged_pairs(before: GraphIndex) -> frozenset:
                      == set(before.control_inputs[p.second]))
 
 
-def keep_merges(graph_def, before: GraphIndex, merged: Optional[frozenset] = None):
+def keep_merges(graph_def, before: GraphIndex, merged: Optional[frozenset] = None,
+                index: Optional[GraphIndex] = None):
     """Gives both nodes of every merge pair the same control inputs again
     where the original graph had the pair with equal control inputs (the
     oneDNN pass merged it there): each gets the control inputs only the
@@ -32,6 +33,7 @@ def keep_merges(graph_def, before: GraphIndex, merged: Optional[frozenset] = Non
       graph_def: the rewritten GraphDef (left untouched).
       before: the index of the graph it was rewritten from.
       merged: merged_pairs(before), where the caller has it already.
+      index: graph_def's own index, where the caller has it already.
 
     Returns:
       graph_def itself when nothing needed changing, else a new GraphDef.
@@ -45,7 +47,7 @@ def keep_merges(graph_def, before: GraphIndex, merged: Optional[frozenset] = Non
         merged = merged_pairs(before)
     if not merged:
         return graph_def
-    index = build_index(graph_def)
+    index = build_index(graph_def) if index is None else index
     pairs = [(index.names[p.first], index.names[p.second], p.strict)
              for p in merge_pairs(index)
              if _sources(index.names[p.first], index.names[p.second]) in merged]

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from sntf.graph.index import GraphError, GraphIndex, build_index
 from sntf.graph.regions import new_mixed_nodes
 
 
-def validate(graph_def, before: GraphIndex) -> GraphIndex:
+def validate(graph_def, before: GraphIndex, index: Optional[GraphIndex] = None) -> GraphIndex:
     """Indexes a rewritten graph; a malformed or cyclic result is an error
     (the pass then hands the original graph back).
 
     Args:
       graph_def: the rewritten GraphDef.
       before: the index of the graph it was rewritten from.
+      index: graph_def's own index (with before's fetch and preserve
+        nodes), where the caller has it already.
 
     Returns:
       The rewritten graph's index.
@@ -23,8 +27,8 @@ def validate(graph_def, before: GraphIndex) -> GraphIndex:
         nest where the original had none, or an input naming a missing node.
     """
     fetch = [before.names[i] for i in before.fetch]
-    preserve = [before.names[i] for i in before.preserve]
-    index = build_index(graph_def, fetch, preserve)
+    if index is None:
+        index = index_as(graph_def, before)
     if index.has_cycles and not before.has_cycles:
         raise GraphError("the rewrite created a cycle")
     missing = set(fetch) - set(index.names)
@@ -35,3 +39,10 @@ def validate(graph_def, before: GraphIndex) -> GraphIndex:
         raise GraphError(f"the rewrite made {len(mixed)} node(s) read from different "
                          f"loop frames or branches, first {mixed[0]!r}")
     return index
+
+
+def index_as(graph_def, before: GraphIndex) -> GraphIndex:
+    """graph_def's index, with the fetch and preserve nodes of the graph it
+    was rewritten from."""
+    return build_index(graph_def, [before.names[i] for i in before.fetch],
+                       [before.names[i] for i in before.preserve])
