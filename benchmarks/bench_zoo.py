@@ -24,7 +24,8 @@ some run was above TensorFlow's); the median peak over the lower bound of
 the training graph, and the same for the steps after the first (the first
 step's peak also holds what a growing allocator wastes while it makes its
 regions); the median step time over TensorFlow's; the planned peak
-(with the tensor cache's, under a budget) over the median measured one; and
+(with the tensor cache's, under a budget) plus what the device held outside
+the graph when it was planned, over the median measured one; and
 whether every run trained identically to TensorFlow (same losses and weight
 digest). Progress goes to stdout; the
 table and the command go to --out.
@@ -105,9 +106,11 @@ def _row(model: str, settings: str, label: str, runs: list, base: list,
     worst = max(peaks) / min(base_peaks)
     lower = [r["lower_bound_bytes"] for r in runs if r.get("lower_bound_bytes")]
     # Under a budget the tensor cache keeps swapped tensors in the plan's
-    # headroom; its prediction counts them (cached_peak_bytes).
-    planned = [r.get("cached_peak_bytes") or r["planned_peak_bytes"] for r in runs
-               if r.get("planned_peak_bytes")]
+    # headroom; its prediction counts them (cached_peak_bytes). The device
+    # measures what it holds outside the graph too (a dataset's tensors),
+    # which the plan's peak leaves out.
+    planned = [(r.get("cached_peak_bytes") or r["planned_peak_bytes"])
+               + (r.get("outside_bytes") or 0) for r in runs if r.get("planned_peak_bytes")]
     # Each run's peak over its steps after the first.
     later = [max(r["own_step_peaks_bytes"][1:]) for r in runs
              if len(r.get("own_step_peaks_bytes") or ()) > 1]

@@ -189,8 +189,6 @@ def _run(graph_def, index, state: config.State, report: dict,
     base = _analyze(graph_def, index, state, properties, env, report)
     # Resolved once per pass (a GPU graph's fraction asks for the GPU's memory).
     budget = _budget_bytes(state, index, env)
-    if base is not None and budget is not None and env.in_use is not None:
-        report["outside_bytes"] = _outside_bytes(index, base.facts, env.in_use)
     outcome = _plan(base, graph_def, index, state, env, budget, report)
     rewritten = outcome.planned.graph_def if outcome.planned is not None else None
     if rewritten is not None and outcome.cache_headroom is not None:
@@ -348,6 +346,13 @@ def _analyze(graph_def, index, state: config.State, properties: Optional[Propert
     except Exception as e:  # noqa: BLE001 - the analysis must not fail the graph
         report["analysis_error"] = f"{type(e).__name__}: {e}"
         return None
+    if env.in_use is not None:
+        # What the device holds already shapes the allocator's layout for
+        # the graph (analysis.memory.device_series); every plan's graph is
+        # modelled on top of it.
+        report["outside_bytes"] = _outside_bytes(index, base.facts, env.in_use)
+        base = dataclasses.replace(base, facts=analysis.with_outside(
+            base.facts, report["outside_bytes"] or 0))
     report["batch"] = batch
     report["predicted_peak_bytes"] = base.facts.budget_peak_bytes
     report["lower_bound_bytes"] = base.facts.lower_bound_bytes

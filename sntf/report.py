@@ -62,8 +62,9 @@ def new_report(name: str = "", nodes: int = 0) -> dict:
         "cached_peak_bytes": None,
         "achievable_peak_bytes": None,
         "predicted_seconds_added": None,
-        # With a budget: device bytes in use outside this graph when it was
-        # planned (the allocator's bytes in use less the graph's variables).
+        # Device bytes in use outside this graph when it was planned (the
+        # allocator's bytes in use less the graph's variables), where the
+        # allocator keeps statistics; the peaks above are modelled on it.
         "outside_bytes": None,
         # What holds the planned peak up: the bytes live there by kind, with
         # the largest buffers named (sntf.analysis.breakdown).

@@ -2,7 +2,8 @@
 
 Each configuration trains two steps of an unchanged Keras model in its own
 process (sntf/testing/workers/measure_peak.py) and compares the CPU:0 allocator peak
-with the predicted peak of the training graph that ran. Measurement set-up:
+with the predicted peak of the training graph that ran, plus what the device
+held outside it when it was planned. Measurement set-up:
 BFC CPU allocator (counts every allocation), one inter-op thread, and a
 batched tf.data input without prefetching (identical runs then agree within
 1 MiB).
@@ -29,16 +30,22 @@ BATCHES = (32,)
 @pytest.mark.parametrize("family", models.FAMILIES)
 def test_predicted_peak_within_15_percent_of_measured(family, batch):
     r = measure(family, batch, steps=2, policy="off")
-    predicted, measured = r["predicted_peak_bytes"], r["measured_peak_bytes"]
-    assert predicted is not None, r
+    assert r["predicted_peak_bytes"] is not None, r
+    predicted, measured = _device_peak(r), r["measured_peak_bytes"]
     if abs(predicted / measured - 1.0) > TOLERANCE:
         # The allocator's peak occasionally moves between identical runs
         # (a chunk reused or not): judge the median of three runs then.
         r = measure(family, batch, steps=2, policy="off", repeats=3)
-        predicted, measured = r["predicted_peak_bytes"], r["measured_peak_bytes"]
+        predicted, measured = _device_peak(r), r["measured_peak_bytes"]
     ratio = predicted / measured
     assert abs(ratio - 1.0) <= TOLERANCE, (
         f"{family} batch {batch}: predicted {predicted / 2**20:.1f} MiB, "
         f"measured {measured / 2**20:.1f} MiB, ratio {ratio:.3f}")
     # The lower bound is a bound: never above the prediction of the same graph.
-    assert 0 < r["lower_bound_bytes"] <= predicted
+    assert 0 < r["lower_bound_bytes"] <= r["predicted_peak_bytes"]
+
+
+def _device_peak(result: dict) -> int:
+    """The predicted peak of what the device reports: the graph's share and
+    what the device held outside it (a dataset's tensors)."""
+    return result["predicted_peak_bytes"] + (result.get("outside_bytes") or 0)

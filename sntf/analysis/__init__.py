@@ -23,7 +23,7 @@ from sntf.analysis.costs import (DEFAULT_COST_MODEL, CostModel, op_seconds,
                                  workspace_bytes)
 from sntf.analysis.memory import (ACTIVATION, GRADIENT, PERSISTENT, SCRATCH_PORT,
                                   TEMPORARY, TENSOR_CLASSES, VARIABLE_PORT, Analysis,
-                                  Timeline, analyze)
+                                  Timeline, analyze, with_outside)
 from sntf.analysis.schedule import schedule
 from sntf.analysis.shapes import (Properties, SymbolicSize, decode_properties,
                                   has_unknown_dims, resolve_symbolic_dims, rounded,
@@ -36,7 +36,7 @@ __all__ = [
     "TEMPORARY", "TENSOR_CLASSES", "Timeline", "VARIABLE_PORT", "analyze",
     "analyze_graph", "decode_properties", "has_unknown_dims", "op_seconds",
     "resolve_symbolic_dims", "rounded", "schedule", "tensor_size",
-    "with_generated", "workspace_bytes",
+    "with_generated", "with_outside", "workspace_bytes",
 ]
 
 
@@ -59,7 +59,7 @@ class Analyzed:
 
 def analyze_graph(graph_def, index: GraphIndex, props: Properties,
                   batch: Optional[int], threads: Optional[int],
-                  onednn: bool = False) -> Analyzed:
+                  onednn: bool = False, outside: int = 0) -> Analyzed:
     """Analyzes a graph whose properties may lack sntf's generated nodes.
 
     Args:
@@ -69,6 +69,7 @@ def analyze_graph(graph_def, index: GraphIndex, props: Properties,
       batch: the batch that resolves unknown batch dimensions.
       threads: intra-op threads of the device.
       onednn: whether TensorFlow's oneDNN graph pass runs.
+      outside: bytes the device holds outside the graph (memory.device_series).
 
     Returns:
       The Analyzed graph.
@@ -76,4 +77,4 @@ def analyze_graph(graph_def, index: GraphIndex, props: Properties,
     extended = with_generated(props, index)
     return Analyzed(graph_def, index, extended,
                     analyze(index, extended, batch=batch, threads=threads,
-                            onednn=onednn))
+                            onednn=onednn, outside=outside))

@@ -117,6 +117,12 @@ class BfcModel:
             self._region_bytes *= 2
 
     # -- public
+    @property
+    def next_region_bytes(self) -> int:
+        """The size of the region the allocator would add next (unless a
+        larger request makes it double further)."""
+        return self._region_bytes
+
     def allocate(self, nbytes: int) -> int:
         """Allocates; returns the chunk address (a handle for free()).
 
@@ -167,6 +173,26 @@ class BfcModel:
         return left
 
 
+def hold_outside(sim: BfcModel, nbytes: int) -> None:
+    """Allocates what a device holds outside the graph before its step: as
+    the requests that made it grew the regions, a piece of each region in
+    turn, from the first, until nbytes are held (1.8 MiB takes the first
+    2 MiB region whole, which BFC does not split for it; 6 MiB fills the
+    2 and 4 MiB regions rather than one 8 MiB region)."""
+    rest = nbytes
+    while rest > 0:
+        piece = min(rest, sim.next_region_bytes)
+        sim.allocate(piece)
+        rest -= piece
+
+
+def held_bytes(nbytes: int) -> int:
+    """What a fresh allocator reports in use after hold_outside(nbytes)."""
+    sim = BfcModel()
+    hold_outside(sim, nbytes)
+    return sim.in_use
+
+
 def simulate(buffer_bytes: dict, persistent, intervals: dict, end: int,
              is_scratch: Callable[[tuple], bool], limit: Optional[int] = None,
              outside: int = 0, grows: bool = True,
@@ -207,8 +233,7 @@ def simulate(buffer_bytes: dict, persistent, intervals: dict, end: int,
     first = INITIAL_REGION_BYTES if grows or limit is None else limit
     sim = BfcModel(initial_region_bytes=first, limit=limit)
     # OutOfMemory.step stays -1 here: what exists before the step.
-    if outside:
-        sim.allocate(outside)
+    hold_outside(sim, outside)
     held = {b: sim.allocate(buffer_bytes[b]) for b in sorted(persistent)}
     allocs = collections.defaultdict(list)
     frees = collections.defaultdict(list)

@@ -73,6 +73,10 @@ class Analysis:
     # adopts the value's buffer and frees the variable's old one).
     handover: Mapping[tuple[int, int], tuple[int, int]] = dataclasses.field(
         default_factory=dict)
+    # Bytes the device holds outside the graph when the step starts (a
+    # dataset's tensors, leftovers of other models): allocated first in the
+    # allocator model, whose timeline is then what the graph adds to them.
+    outside_bytes: int = 0
 
     @property
     def device_peak_bytes(self) -> dict:

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import collections
 
-from sntf.analysis import bfc
-from sntf.analysis.memory import SCRATCH_PORT
+from sntf.analysis import memory
 from sntf.graph import names
 from sntf.graph.index import GraphIndex
 
@@ -38,7 +37,7 @@ def cached_lifetimes(g: GraphIndex, facts, headroom: int) -> tuple[dict, dict]:
 
     Returns:
       (buffer -> bytes, buffer -> (first step, step after which it is
-      freed)), for analysis.bfc.simulate.
+      freed)), for analysis.memory.device_series.
     """
     sizes = dict(facts.buffer_bytes)
     intervals = dict(facts.buffer_intervals)
@@ -99,8 +98,8 @@ def cached_peak(g: GraphIndex, facts, headroom: int) -> int:
       Bytes.
     """
     sizes, intervals = cached_lifetimes(g, facts, headroom)
-    series = bfc.simulate(sizes, facts.persistent_buffers, intervals, len(facts.schedule),
-                          lambda b: b[1] == SCRATCH_PORT, handover=facts.handover)
+    series = memory.device_series(sizes, facts.persistent_buffers, intervals,
+                                  len(facts.schedule), facts.handover, facts.outside_bytes)
     return max(series, default=facts.persistent_bytes)
 
 

@@ -297,7 +297,7 @@ def _sntf_fields(sntf) -> dict:
     last figures the pass gave, and sntf's statistics (None without sntf)."""
     fields = dict.fromkeys(("training_reports", "nodes", "predicted_peak_bytes",
                             "planned_peak_bytes", "cached_peak_bytes", "lower_bound_bytes",
-                            "pass_seconds",
+                            "outside_bytes", "pass_seconds",
                             "reports_total", "sntf_stats"))
     if sntf is None:
         return fields
@@ -306,7 +306,7 @@ def _sntf_fields(sntf) -> dict:
     keys = ("graph", "nodes", "predicted_peak_bytes", "planned_peak_bytes",
             "cached_peak_bytes", "lower_bound_bytes", "pass_seconds", "invocations", "action",
             "budget_bytes", "budget_fits", "achievable_peak_bytes",
-            "predicted_seconds_added", "reason")
+            "predicted_seconds_added", "outside_bytes", "reason")
     fields["training_reports"] = [
         dict({k: r.get(k) for k in keys}, swapped=len(r.get("swapped") or ()),
              recomputed=len(r.get("recomputed") or ()))
@@ -322,7 +322,7 @@ def _sntf_fields(sntf) -> dict:
         return values[-1] if values else None
 
     for key in ("predicted_peak_bytes", "lower_bound_bytes", "planned_peak_bytes",
-                "cached_peak_bytes"):
+                "cached_peak_bytes", "outside_bytes"):
         fields[key] = last_known(key)
     if training:
         largest = max(training, key=lambda r: r.get("nodes") or 0)
