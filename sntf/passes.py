@@ -271,7 +271,8 @@ def _context(state: config.State, env: Environment, budget: Optional[int], index
         swap_min_bytes=state.options.swap_min_bytes,
         bandwidth=_link_bandwidth(state, index),
         onednn=env.onednn, budget=budget,
-        outside_bytes=report.get("outside_bytes") or 0,
+        # Budgets only: without one the plan is chosen on the graph alone.
+        outside_bytes=(report.get("outside_bytes") or 0) if budget is not None else 0,
         budget_margin=state.options.budget_margin,
         budget_behaviour=state.options.budget_behaviour,
         min_gain=state.options.min_gain,
@@ -285,12 +286,18 @@ def _record_plan(outcome: planner.Outcome, base: Optional[Analyzed],
     plan = outcome.plan
     report.update(outcome.fields)
     if base is not None:
-        facts = base.facts
+        # The plan is chosen on the graph alone. What the device holds
+        # outside it shapes the allocator's layout for it, so the reported
+        # peaks are modelled on top of that (analysis.memory.device_series):
+        # the graph's share of what the device reports.
+        outside = report.get("outside_bytes") or 0
+        facts = analysis.with_outside(base.facts, outside)
         plan = dataclasses.replace(
             plan, predicted_peak_bytes=facts.budget_peak_bytes,
-            planned_peak_bytes=(outcome.planned.facts if outcome.planned
-                                else facts).budget_peak_bytes,
+            planned_peak_bytes=(analysis.with_outside(outcome.planned.facts, outside)
+                                if outcome.planned else facts).budget_peak_bytes,
             lower_bound_bytes=facts.lower_bound_bytes)
+        report["predicted_peak_bytes"] = plan.predicted_peak_bytes
         report["planned_peak_bytes"] = plan.planned_peak_bytes
         planned = outcome.planned
         if (planned is not None and outcome.cache_headroom and outcome.cache_headroom > 0
@@ -347,12 +354,7 @@ def _analyze(graph_def, index, state: config.State, properties: Optional[Propert
         report["analysis_error"] = f"{type(e).__name__}: {e}"
         return None
     if env.in_use is not None:
-        # What the device holds already shapes the allocator's layout for
-        # the graph (analysis.memory.device_series); every plan's graph is
-        # modelled on top of it.
         report["outside_bytes"] = _outside_bytes(index, base.facts, env.in_use)
-        base = dataclasses.replace(base, facts=analysis.with_outside(
-            base.facts, report["outside_bytes"] or 0))
     report["batch"] = batch
     report["predicted_peak_bytes"] = base.facts.budget_peak_bytes
     report["lower_bound_bytes"] = base.facts.lower_bound_bytes
