@@ -292,18 +292,18 @@ def _record_plan(outcome: planner.Outcome, base: Optional[Analyzed],
         # the graph's share of what the device reports.
         outside = report.get("outside_bytes") or 0
         facts = analysis.with_outside(base.facts, outside)
+        planned = outcome.planned
+        shown = analysis.with_outside(planned.facts, outside) if planned else facts
         plan = dataclasses.replace(
             plan, predicted_peak_bytes=facts.budget_peak_bytes,
-            planned_peak_bytes=(analysis.with_outside(outcome.planned.facts, outside)
-                                if outcome.planned else facts).budget_peak_bytes,
+            planned_peak_bytes=shown.budget_peak_bytes,
             lower_bound_bytes=facts.lower_bound_bytes)
         report["predicted_peak_bytes"] = plan.predicted_peak_bytes
         report["planned_peak_bytes"] = plan.planned_peak_bytes
-        planned = outcome.planned
         if (planned is not None and outcome.cache_headroom and outcome.cache_headroom > 0
                 and not planned.facts.device_timelines):
             report["cached_peak_bytes"] = tensor_cache.cached_peak(
-                planned.index, planned.facts, outcome.cache_headroom)
+                planned.index, shown, outcome.cache_headroom)
         report["budget_bytes"] = budget
         if budget is not None:
             # The headroom the plan and what the device holds outside the

@@ -59,7 +59,7 @@ class Analyzed:
 
 def analyze_graph(graph_def, index: GraphIndex, props: Properties,
                   batch: Optional[int], threads: Optional[int],
-                  onednn: bool = False, outside: int = 0) -> Analyzed:
+                  onednn: bool = False) -> Analyzed:
     """Analyzes a graph whose properties may lack sntf's generated nodes.
 
     Args:
@@ -69,7 +69,6 @@ def analyze_graph(graph_def, index: GraphIndex, props: Properties,
       batch: the batch that resolves unknown batch dimensions.
       threads: intra-op threads of the device.
       onednn: whether TensorFlow's oneDNN graph pass runs.
-      outside: bytes the device holds outside the graph (memory.device_series).
 
     Returns:
       The Analyzed graph.
@@ -77,4 +76,4 @@ def analyze_graph(graph_def, index: GraphIndex, props: Properties,
     extended = with_generated(props, index)
     return Analyzed(graph_def, index, extended,
                     analyze(index, extended, batch=batch, threads=threads,
-                            onednn=onednn, outside=outside))
+                            onednn=onednn))

@@ -74,8 +74,9 @@ class Analysis:
     handover: Mapping[tuple[int, int], tuple[int, int]] = dataclasses.field(
         default_factory=dict)
     # Bytes the device holds outside the graph when the step starts (a
-    # dataset's tensors, leftovers of other models): allocated first in the
-    # allocator model, whose timeline is then what the graph adds to them.
+    # dataset's tensors, leftovers of other models), where the timeline is
+    # modelled on them (memory.with_outside): allocated first in the
+    # allocator model, the timeline is then what the graph adds to them.
     outside_bytes: int = 0
 
     @property

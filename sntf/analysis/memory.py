@@ -40,8 +40,7 @@ from sntf.analysis.facts import (  # noqa: F401 (the module's public names)
 
 def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
             cost_model: CostModel = DEFAULT_COST_MODEL,
-            threads: Optional[int] = None, onednn: bool = False,
-            outside: int = 0) -> Analysis:
+            threads: Optional[int] = None, onednn: bool = False) -> Analysis:
     """Predicts the memory timeline of one step of a graph.
 
     Args:
@@ -54,8 +53,6 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
         scratch buffers depends on it); None: this machine's CPU count.
       onednn: whether TensorFlow's oneDNN graph pass runs (it swaps the
         CPU convolution kernels, and with them their scratch memory).
-      outside: bytes the device holds outside the graph when the step
-        starts (see device_series).
 
     Returns:
       The Analysis.
@@ -73,12 +70,7 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
     intervals = live.intervals()
     by_class, total = _class_series(live, klass, intervals, end)
     handover = live.handover()
-    # A graph on several devices has an allocator per device (device_timelines):
-    # what one of them holds outside the graph is not modelled there.
-    multi = len({d for d in g.devices if d}) > 1
-    outside = 0 if multi else outside
-    device = device_series(live.buffer_bytes, live.persistent, intervals, end, handover,
-                           outside)
+    device = device_series(live.buffer_bytes, live.persistent, intervals, end, handover)
     peak_step = max(range(end), key=lambda s: device[s]) if end else 0
     peak = device[peak_step] if end else live.persistent_bytes()
     lower, lower_step, seconds = _lower_bound_and_costs(live, batch, cost_model)
@@ -101,8 +93,7 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
         step_seconds=tuple(seconds), unknown_sizes=unknown,
         variable_bytes=sum(live.buffer_bytes[b] for b in live.persistent
                            if b[1] == VARIABLE_PORT),
-        persistent_buffers=frozenset(live.persistent), handover=handover,
-        outside_bytes=outside)
+        persistent_buffers=frozenset(live.persistent), handover=handover)
 
 
 def _sizes(g: GraphIndex, properties, batch: Optional[int]) -> tuple[dict, int]:

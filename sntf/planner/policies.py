@@ -30,8 +30,9 @@ The user's policies are compositions (POLICIES):
 Whatever a composition rewrote is then held to an order by order
 edges (sntf.planner.finish; option pin_order), where the analysis of the
 chained graph stands behind them: the executor's order, or without a
-budget or device limit a memory-aware one where that plans lower. Without a budget, a rewritten graph that
-plans less than option min_gain (5%) below the original is not applied.
+budget or device limit a memory-aware one where that plans lower. Without
+a budget, a rewritten graph that plans less than option min_gain (5%)
+below the original is not applied.
 """
 
 from __future__ import annotations
@@ -248,8 +249,9 @@ def _finished(policy: str, composition, base, ctx: Context, proposals: dict,
     some plans far more than others (the zoo's GPT planned 50.4 MiB with
     recompute then swap and 52.6 with swap alone; held to a memory-aware
     order, 48.4 and 38.8). A part whose deferred stage found nothing to do,
-    or nothing live at the peak of the best plain part (rival), is another
-    part again: its outcome is None, and it is skipped."""
+    or nothing live at the peak of the same part without that stage
+    (rival), is another part again: its outcome is None, and it is
+    skipped."""
     if isinstance(composition, LowerOf):
         return _lowest(policy, composition, base, ctx, proposals)
     composed = _composed(policy, composition, base, ctx, proposals, rival)

@@ -52,6 +52,6 @@ def evaluator(threads: Optional[int], onednn: bool = False):
             graph_def = kept
         index = validate(graph_def, base.index, index)
         return analyze_graph(graph_def, index, base.props, base.facts.batch,
-                             threads, onednn, base.facts.outside_bytes)
+                             threads, onednn)
 
     return evaluate
