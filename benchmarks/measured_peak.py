@@ -2,6 +2,7 @@
 
     python benchmarks/measured_peak.py --model transformer --policy swap+recompute
                                        [--warm-steps 2] [--settings user|lab]
+                                       [--budget 28MiB]
 
 One configuration per process (the Grappler plugin cannot be unloaded). It
 builds a sntf.testing.zoo model (or a sntf.models family, --model
@@ -45,6 +46,8 @@ def _define_flags() -> None:
     flags.DEFINE_integer("warm_steps", 2, "steps trained before the profiled one")
     flags.DEFINE_integer("batch", None, "batch size (the model's default when unset)")
     flags.DEFINE_enum("settings", "user", ["user", "lab"], "measurement settings")
+    flags.DEFINE_string("budget", None, "sntf budget (bytes or a size string such as "
+                        "28MiB), for the policy 'auto'")
 
 
 def _build(name: str, batch):
@@ -80,7 +83,7 @@ def main(argv):
     if FLAGS.policy != "none":
         import sntf
 
-        sntf.enable(policy=FLAGS.policy)
+        sntf.enable(policy=FLAGS.policy, budget=FLAGS.budget)
     import keras
 
     keras.utils.set_random_seed(1234)
