@@ -188,6 +188,8 @@ def hold_outside(sim: BfcModel, nbytes: int) -> None:
 
 def held_bytes(nbytes: int) -> int:
     """What a fresh allocator reports in use after hold_outside(nbytes)."""
+    if nbytes <= 0:
+        return 0
     sim = BfcModel()
     hold_outside(sim, nbytes)
     return sim.in_use

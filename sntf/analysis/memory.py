@@ -71,7 +71,7 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
     by_class, total = _class_series(live, klass, intervals, end)
     handover = live.handover()
     device = device_series(live.buffer_bytes, live.persistent, intervals, end, handover)
-    peak_step = max(range(end), key=lambda s: device[s]) if end else 0
+    peak_step = _peak_step(device)
     peak = device[peak_step] if end else live.persistent_bytes()
     lower, lower_step, seconds = _lower_bound_and_costs(live, batch, cost_model)
     backward_steps = [s for s, i in enumerate(order) if phases[i] == BACKWARD]
@@ -398,11 +398,16 @@ def with_outside(facts: Analysis, outside: int) -> Analysis:
     end = len(facts.schedule)
     device = device_series(facts.buffer_bytes, facts.persistent_buffers,
                            facts.buffer_intervals, end, facts.handover, outside)
-    peak_step = max(range(end), key=lambda s: device[s]) if end else 0
+    peak_step = _peak_step(device)
     return dataclasses.replace(
         facts, timeline=dataclasses.replace(facts.timeline, device_bytes=device),
         predicted_peak_bytes=device[peak_step] if end else facts.predicted_peak_bytes,
         peak_step=peak_step, outside_bytes=outside)
+
+
+def _peak_step(device: tuple) -> int:
+    """The first step at which a device timeline peaks (0 for none)."""
+    return max(range(len(device)), key=device.__getitem__) if device else 0
 
 
 def _simulate(buffer_bytes: dict, persistent: set, intervals: dict, end: int,
