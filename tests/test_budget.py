@@ -192,10 +192,13 @@ def test_pass_fits_the_budget_with_the_planned_peak():
     report = result.report
     assert report["action"] == "rewritten", report
     assert report["budget_bytes"] == target and report["budget_fits"] is True
-    # The plan fits under the budget less the margin for the analysis' error.
-    assert report["planned_peak_bytes"] <= int(target * (1 - margin))
+    # The plan fits under the budget less the margin for the analysis' error
+    # and the allocator's slack (the widest layer's 512 x 320 floats).
+    slack = budget_planning.allocator_slack(facts)
+    assert slack == 512 * 320 * 4
+    assert report["planned_peak_bytes"] <= int(target * (1 - margin)) - slack
     assert target < report["predicted_peak_bytes"]
-    assert f"plan target {int(target * (1 - margin))} bytes" in report["reason"]
+    assert f"plan target {int(target * (1 - margin)) - slack} bytes" in report["reason"]
     assert report["achievable_peak_bytes"] is None
     assert report["predicted_seconds_added"] > 0
     assert "auto: budget" in report["reason"]
@@ -213,7 +216,8 @@ def test_pass_fits_the_budget_with_the_planned_peak():
 def test_memory_held_outside_the_graph_comes_off_the_budget():
     graph_def, props = mlp_step()
     facts, _, _ = _search(graph_def, props, 1 << 40)
-    budget_bytes = facts.predicted_peak_bytes           # fits as it is ...
+    # Fits as it is, with the allocator's slack for its largest request ...
+    budget_bytes = facts.predicted_peak_bytes + budget_planning.allocator_slack(facts)
     state = config.State(enabled=True, policy="auto",
                          budget=config.Budget(bytes=budget_bytes),
                          options=config.Options(swap_min_bytes=0, link_bandwidth=4e9,
@@ -234,7 +238,8 @@ def test_memory_held_outside_the_graph_comes_off_the_budget():
     assert asked == ["CPU:0"]
     assert report["outside_bytes"] == held
     assert report["action"] == "rewritten" and report["budget_fits"] is True
-    assert report["planned_peak_bytes"] <= budget_bytes - held
+    assert report["planned_peak_bytes"] <= (budget_bytes - held
+                                            - budget_planning.allocator_slack(facts))
     assert f"{held} bytes held outside the graph" in report["reason"]
     # An allocator without statistics: nothing is taken off.
     assert run(lambda device: None)["outside_bytes"] is None
@@ -419,10 +424,11 @@ def _conv_step():
     return g, props
 
 
-def test_budget_plans_leave_the_largest_scratch_buffer_as_slack():
+def test_budget_plans_leave_the_largest_request_as_slack():
     """BFC may serve a request from a chunk up to twice its size, depending
-    on history the pass cannot see: the plan target leaves the largest
-    scratch buffer's bytes (here the filter gradient's im2col buffer)."""
+    on history the pass cannot see: the plan target leaves the step's
+    largest request (here the filter gradient's im2col buffer; in a dense
+    network, its widest activation)."""
     g, props = _conv_step()
     idx = G.build_index(g, ["loss_retval"])
     facts = analysis.analyze(idx, props)
@@ -434,7 +440,8 @@ def test_budget_plans_leave_the_largest_scratch_buffer_as_slack():
     assert budget_planning.allocator_slack(facts) == slack == 19574784
     mlp_graph, mlp_props = mlp_step()
     mlp_facts = analysis.analyze(G.build_index(mlp_graph, ["ret"]), mlp_props)
-    assert budget_planning.allocator_slack(mlp_facts) == 0
+    # mlp_step's widest layer: 512 x 320 floats (pre2, h2 and their gradients).
+    assert budget_planning.allocator_slack(mlp_facts) == 512 * 320 * 4
     state = config.State(enabled=True, policy="auto",
                          budget=config.Budget(bytes=256 * MIB), options=STATE.options)
     # TensorFlow's own convolution kernels (oneDNN's take no im2col buffer
@@ -456,7 +463,9 @@ def test_under_onednn_convolutions_take_no_im2col_scratch():
     idx = G.build_index(g, ["loss_retval"])
     with_scratch = analysis.analyze(idx, props)
     without = analysis.analyze(idx, props, onednn=True)
-    assert budget_planning.allocator_slack(without) == 0
+    # The largest request is then an activation: 8 x 32 x 32 x 16 floats.
+    activation = 8 * 32 * 32 * 16 * 4
+    assert budget_planning.allocator_slack(without) == activation
     assert without.predicted_peak_bytes < with_scratch.predicted_peak_bytes
     state = config.State(enabled=True, policy="auto",
                          budget=config.Budget(bytes=256 * MIB), options=STATE.options)
@@ -466,7 +475,7 @@ def test_under_onednn_convolutions_take_no_im2col_scratch():
                                properties_fn(props),
                                env=passes.Environment(onednn=True)).report["reason"]
 
-    assert "0 bytes of allocator slack" in reason(g)
+    assert f" {activation} bytes of allocator slack" in reason(g)
     for node in g.node:
         node.device = "/job:localhost/replica:0/task:0/device:GPU:0"
     assert "19574784 bytes of allocator slack" in reason(g)
@@ -566,6 +575,9 @@ def test_where_no_refit_makes_room_order_edges_go_into_the_budget_margin(monkeyp
     """Where no plan fits the target with its edges, the fitted plan keeps
     them, a little into the budget's margin: an order the executor does not
     keep errs far more than the edges' rise."""
+    # The scenario (a target no refit reaches with the edges' rise) is sized
+    # without the allocator's slack, which would only lower every target.
+    monkeypatch.setattr(budget_planning, "allocator_slack", lambda facts: 0)
     graph_def, props = mlp_step()
     base = analyzed(graph_def, ["ret"], props)
     budget = int(0.8 * base.peak)

@@ -389,20 +389,25 @@ def test_with_a_budget_swaps_go_through_the_tensor_cache():
 
 
 class _Facts:
-    """The two figures the cache headroom reads from an Analysis."""
+    """The figures the cache headroom reads from an Analysis: a variable of
+    5 MiB, an activation of 1 MiB and two scratch buffers."""
 
     def __init__(self, peak: int, scratch: int):
         self.budget_peak_bytes = peak
-        self.buffer_bytes = {(0, 0): 5 * MIB, (1, analysis.SCRATCH_PORT): scratch,
+        self.buffer_bytes = {(0, 0): 5 * MIB, (3, 0): MIB,
+                             (1, analysis.SCRATCH_PORT): scratch,
                              (2, analysis.SCRATCH_PORT): scratch // 2}
+        self.persistent_buffers = frozenset({(0, 0)})
 
 
 def test_the_cache_headroom_is_the_budget_left_over_the_planned_peak():
     # budget 10 MiB - 0.5 MiB held outside - 2 MiB slack (the largest
-    # scratch buffer, which the allocator may serve from a chunk twice its
-    # size) - 5 MiB planned peak = 2.5 MiB.
+    # request, here a scratch buffer, which the allocator may serve from a
+    # chunk twice its size) - 5 MiB planned peak = 2.5 MiB. The variable,
+    # allocated before the step, is no request of it.
     facts = _Facts(peak=5 * MIB, scratch=2 * MIB)
     assert budget_planning.allocator_slack(facts) == 2 * MIB
+    assert budget_planning.allocator_slack(_Facts(peak=5 * MIB, scratch=0)) == MIB
     assert budget_planning.cache_headroom(facts, 10 * MIB, MIB // 2) == 5 * MIB // 2
     note = budget_planning.cache_note(facts, 10 * MIB, outside=MIB // 2)
     assert note == (f"tensor cache: up to {5 * MIB // 2} bytes of swapped tensors stay "
