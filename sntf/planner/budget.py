@@ -91,9 +91,8 @@ def allocator_slack(facts) -> int:
     gradient term in a 7.6 MiB chunk. The device limit holds the same
     request back (device_limit.DeviceRoom.runs_out).
     """
-    persistent = getattr(facts, "persistent_buffers", frozenset())
-    return max((n for b, n in facts.buffer_bytes.items() if b not in persistent),
-               default=0)
+    return max((n for b, n in facts.buffer_bytes.items()
+                if b not in facts.persistent_buffers), default=0)
 
 
 def cache_headroom(facts, budget: int, outside: int, margin: float = 0.0) -> int:

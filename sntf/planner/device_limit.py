@@ -41,11 +41,11 @@ class DeviceRoom:
         another: near the limit, whether a request finds its chunk turns on
         it (the same plan of the swish all-conv net trained in one run and
         ran out of memory in the next under 33 MiB). So the model's limit
-        also holds back the step's largest request."""
+        also holds back the step's largest request, the slack a budget's
+        target leaves (budget.allocator_slack)."""
         if facts.device_timelines:
             return False
-        largest = max((n for b, n in facts.buffer_bytes.items()
-                       if b not in facts.persistent_buffers), default=0)
+        largest = budget_planning.allocator_slack(facts)
         return memory.runs_out_of_memory(facts, self.usable - largest, self.outside,
                                          self.grows, lifetimes) is not None
 
