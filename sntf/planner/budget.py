@@ -88,8 +88,8 @@ def allocator_slack(facts) -> int:
     oneDNN, whose kernels keep their scratch outside the allocator, it is
     an activation or a gradient: the swish all-conv net's budget plan,
     planned at 25.6 MiB, measured 30.2 in two runs of six, a 4 MiB
-    gradient term in a 7.6 MiB chunk. The device limit holds the same
-    request back (device_limit.DeviceRoom.runs_out).
+    gradient term in a chunk of 6.6-7.6 MiB. The device limit holds the
+    same request back (device_limit.DeviceRoom.runs_out).
     """
     return max((n for b, n in facts.buffer_bytes.items()
                 if b not in facts.persistent_buffers), default=0)
