@@ -323,6 +323,124 @@ def train_mlp2_weight_decay() -> graph_pb2.GraphDef:
     return b.build()
 
 
+
+# --------------------------------------------------------------------------
+# Gradient accumulation: gradients written into other variables.
+# --------------------------------------------------------------------------
+
+# What writes a gradient into its accumulator (the weights stay unwritten):
+# acc += g; acc = acc + g; acc[ids] += g; and an optimizer's apply op.
+GRADIENT_WRITERS = ("assign_add", "assign", "scatter", "apply")
+# What makes the step's backward pass recognizable: a gradient kernel
+# (ReluGrad), an input gradient dx = dy W^T, a filter gradient
+# (Conv2DBackpropFilter), or nothing ("none": one linear layer under a
+# squared loss, whose gradient is ordinary arithmetic).
+GRADIENT_MARKERS = ("relu", "dx", "conv", "none")
+ACC_PREFIX = "accumulator"
+
+
+def _linear_backward_body(b: GraphBuilder, marker: str) -> list[tuple[str, str]]:
+    """A forward and backward pass of the kind `marker` names (not "relu"),
+    on an x already declared.
+
+    Returns:
+      [(weight handle, its weight gradient)], first layer first.
+    """
+    if marker == "conv":
+        (b.arg(CONV_FILTER_HANDLE, DT_RESOURCE)
+         .read("conv/read", CONV_FILTER_HANDLE)
+         .op("Conv2D", "conv/Conv2D", [X, "conv/read"], T=DT_FLOAT,
+             strides=[1, 1, 1, 1], padding="SAME")
+         .op("Square", "loss/Square", ["conv/Conv2D"], T=DT_FLOAT)
+         .const("loss/axes", [0, 1, 2, 3], DT_INT32)
+         .op("Sum", LOSS, ["loss/Square", "loss/axes"], T=DT_FLOAT, Tidx=DT_INT32)
+         .const("grad/two", 2.0)
+         .op("Mul", "grad/dy", ["conv/Conv2D", "grad/two"], T=DT_FLOAT)
+         .const("grad/filter_shape", [3, 3, 3, 8], DT_INT32)
+         .op("Conv2DBackpropFilter", CONV_FILTER_GRAD,
+             [X, "grad/filter_shape", "grad/dy"], T=DT_FLOAT,
+             strides=[1, 1, 1, 1], padding="SAME"))
+        return [(CONV_FILTER_HANDLE, CONV_FILTER_GRAD)]
+    layers = 2 if marker == "dx" else 1
+    below = X
+    for i in range(1, layers + 1):
+        (b.arg(f"w{i}", DT_RESOURCE).read(f"w{i}/read", f"w{i}")
+         .op("MatMul", f"layer{i}", [below, f"w{i}/read"], T=DT_FLOAT))
+        below = f"layer{i}"
+    (b.op("Square", "loss/Square", [below], T=DT_FLOAT)
+     .const("loss/axes", [0, 1], DT_INT32)
+     .op("Sum", LOSS, ["loss/Square", "loss/axes"], T=DT_FLOAT, Tidx=DT_INT32)
+     .const("grad/two", 2.0)
+     .op("Mul", f"grad/layer{layers}", [below, "grad/two"], T=DT_FLOAT))
+    grads = []
+    for i in range(layers, 0, -1):
+        before = X if i == 1 else f"layer{i - 1}"
+        b.op("MatMul", f"grad/w{i}", [before, f"grad/layer{i}"], T=DT_FLOAT,
+             transpose_a=True)
+        if i > 1:   # dx = dy W^T
+            b.op("MatMul", f"grad/layer{i - 1}", [f"grad/layer{i}", f"w{i}/read"],
+                 T=DT_FLOAT, transpose_b=True)
+        grads.append((f"w{i}", f"grad/w{i}"))
+    return grads[::-1]
+
+
+def gradient_write_step(writer: str, marker: str = "relu", identity: bool = False,
+                        ) -> tuple[graph_pb2.GraphDef, list[tuple[str, str]]]:
+    """A gradient-accumulation micro-step: each weight gradient is written
+    into an accumulator variable of its own by `writer`; no weight is written.
+
+    Args:
+      writer: one of GRADIENT_WRITERS.
+      marker: one of GRADIENT_MARKERS: the shape of the backward pass.
+      identity: route each gradient, and each accumulator's handle, through
+        two Identity ops on their way to the write (as function inlining
+        leaves them).
+
+    Returns:
+      (the step, [(weight handle, weight gradient)], first layer first).
+    """
+    if writer not in GRADIENT_WRITERS or marker not in GRADIENT_MARKERS:
+        raise ValueError(f"unknown writer {writer!r} or marker {marker!r}")
+    b = GraphBuilder()
+    if marker == "relu":
+        _dense_forward_and_grad(b)
+        grads = [(W_HANDLE, DW)]
+    else:
+        b.arg(X)
+        grads = _linear_backward_body(b, marker)
+    writes = []
+    for k, (_, grad) in enumerate(grads):
+        acc, value = f"{ACC_PREFIX}{k}", grad
+        b.arg(acc, DT_RESOURCE)
+        if identity:
+            b.op("Identity", f"{acc}/handle", [acc], T=DT_RESOURCE)
+            b.op("Identity", f"{acc}/handle_1", [f"{acc}/handle"], T=DT_RESOURCE)
+            b.op("Identity", f"{acc}/grad", [grad], T=DT_FLOAT)
+            b.op("Identity", f"{acc}/grad_1", [f"{acc}/grad"], T=DT_FLOAT)
+            acc, value = f"{acc}/handle_1", f"{acc}/grad_1"
+        write = f"{ACC_PREFIX}{k}/write"
+        if writer == "assign_add":
+            b.op("AssignAddVariableOp", write, [acc, value], dtype=DT_FLOAT)
+        elif writer == "assign":
+            (b.read(f"{ACC_PREFIX}{k}/read", acc)
+             .op("AddV2", f"{ACC_PREFIX}{k}/sum", [f"{ACC_PREFIX}{k}/read", value],
+                 T=DT_FLOAT)
+             .op("AssignVariableOp", write, [acc, f"{ACC_PREFIX}{k}/sum"],
+                 dtype=DT_FLOAT))
+        elif writer == "scatter":
+            (b.const(f"{ACC_PREFIX}{k}/rows", [0, 1, 2], DT_INT32)
+             .op("ResourceScatterAdd", write, [acc, f"{ACC_PREFIX}{k}/rows", value],
+                 dtype=DT_FLOAT, Tindices=DT_INT32))
+        else:
+            (b.const(f"{ACC_PREFIX}{k}/lr", 1.0)
+             .op("ResourceApplyGradientDescent", write,
+                 [acc, f"{ACC_PREFIX}{k}/lr", value], T=DT_FLOAT))
+        writes.append(write)
+    (b.op("Identity", "Identity", [LOSS] + ["^" + w for w in writes], T=DT_FLOAT)
+     .retval("loss_retval", "Identity"))
+    return b.build(), grads
+
+
 CONV_FILTER_HANDLE = "conv2d_convolution_readvariableop_resource"
 CONV_FILTER_GRAD = "gradient_tape/conv2d/Conv2D/Conv2DBackpropFilter"
 

@@ -7,7 +7,7 @@ from typing import Iterable
 
 from sntf.graph import optable
 from sntf.graph.index import GraphIndex, ancestors, descendants, memoized
-from sntf.graph.training import weight_users, variable_access
+from sntf.graph.training import gradient_writes, variable_access, weight_users
 
 
 FORWARD, BACKWARD, OTHER = "forward", "backward", "other"
@@ -38,8 +38,28 @@ def _weight_roles(g: GraphIndex) -> tuple:
         return frozenset(), frozenset()
     all_updates = [u for us in updates.values() for u in us]
     feeding_updates = ancestors(g, all_updates, control=False, state=True)
+    roles = _roles_of(g, list(updates), readers, feeding_updates)
+    if roles[0]:
+        return roles
+    # The weights of a gradient-accumulation step are read, never written:
+    # their gradients go into other variables, so the written variables
+    # anchor nothing. Once the step is known to train that way
+    # (gradient_writes), every variable it reads is a weight, as every
+    # written one is above; the last layer's weights count too, though
+    # their gradient (h^T dy) alone does not show reverse mode.
+    accumulated = gradient_writes(g)
+    if not accumulated.found:
+        return roles
+    weights = list(updates) + [h for h in accumulated.readers if h not in updates]
+    return _roles_of(g, weights, {**accumulated.readers, **readers}, feeding_updates)
+
+
+def _roles_of(g: GraphIndex, weights: list, readers: dict, feeding_updates: set
+              ) -> tuple:
+    """_weight_roles for the variables `weights` (handle roots), read by
+    `readers` (root -> reader nodes)."""
     candidates = {}  # anchor -> (handles it reads, its activation inputs)
-    for handle in updates:
+    for handle in weights:
         _, users = weight_users(g, handle, readers[handle])
         for f, acts in users:
             if f not in feeding_updates:

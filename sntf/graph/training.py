@@ -8,6 +8,19 @@ G that also consumes x lies downstream of F and upstream of an update of V.
 That G is the weight gradient (dW = x^T dy, Conv2DBackpropFilter(x, dy), a
 sparse update keyed by the ids): a forward-only graph has no update of V
 downstream of F, and a metrics update never depends on V's own read.
+
+A step that writes its gradients into other variables (gradient
+accumulation: `acc.assign_add(g)`, or any other write: AssignVariableOp, a
+ResourceScatter*, an optimizer's apply op, through Identity ops or not)
+trains V too, though V itself is not written there. The write alone does not
+say so: an evaluation step's residual block (z = x + relu(x W)) meets the
+same pattern on its way to a metric update. What a metric update never has is
+reverse-mode differentiation upstream of G, so for such a write G must lie
+downstream of a backward marker: a gradient kernel (ReluGrad,
+Conv2DBackpropFilter, ...; a transposed convolution's forward
+Conv2DBackpropInput is a weight user, not a marker), the gradient output of a
+fused loss, or an input gradient dx = dy W^T (an op that reads a weight
+together with a value derived from another op reading that same weight).
 """
 
 from __future__ import annotations
@@ -17,12 +30,16 @@ import dataclasses
 from typing import Optional, Sequence
 
 from sntf.graph import optable
-from sntf.graph.index import GraphIndex, ancestors, descendants
+from sntf.graph.index import GraphIndex, ancestors, descendants, memoized
 
 # Upper bound on variables examined by training detection, so that the pass
 # stays fast on graphs with thousands of variables; the first few trained
 # variables are found long before this.
 MAX_VARIABLES_EXAMINED = 4096
+# Ops that read a resource variable's value at input 0: where the variables
+# that no op writes (the weights of a gradient-accumulation step) are found.
+_VALUE_READ_OPS = frozenset({optable.READ_VARIABLE_OP, "ResourceGather",
+                             "ResourceGatherNd"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +71,31 @@ def handle_root(g: GraphIndex, node: int) -> int:
     return node
 
 
+def _readers_of(g: GraphIndex, root: int) -> list[int]:
+    """The nodes that read the variable behind handle root `root`: every
+    consumer that does not write it, through handle forwarding ops."""
+    if g.ops[root] in optable.REF_VARIABLE_OPS:
+        # A reference variable has no handle to forward: every consumer
+        # that does not write it reads its value (`w/read`, or an op
+        # taking the ref directly), at any input slot.
+        return sorted({c for c, _, _ in g.consumers[root]
+                       if not optable.is_update_op(g.ops[c])})
+    readers = []
+    stack, seen = [root], {root}
+    while stack:
+        h = stack.pop()
+        for c, slot, _ in g.consumers[h]:
+            if optable.is_update_op(g.ops[c]) or c in seen:
+                continue
+            if slot == 0 and g.ops[c] in optable.HANDLE_FORWARDING_OPS:
+                seen.add(c)
+                stack.append(c)
+            elif slot == 0:
+                seen.add(c)
+                readers.append(c)
+    return readers
+
+
 def variable_access(g: GraphIndex) -> tuple[dict, dict]:
     """Updates and readers of every updated variable, keyed by handle root.
 
@@ -68,25 +110,7 @@ def variable_access(g: GraphIndex) -> tuple[dict, dict]:
             updates[handle_root(g, g.data_inputs[i][0][0])].append(i)
     readers = collections.defaultdict(list)
     for root in updates:
-        if g.ops[root] in optable.REF_VARIABLE_OPS:
-            # A reference variable has no handle to forward: every consumer
-            # that does not write it reads its value (`w/read`, or an op
-            # taking the ref directly), at any input slot.
-            readers[root] = sorted({c for c, _, _ in g.consumers[root]
-                                    if not optable.is_update_op(g.ops[c])})
-            continue
-        stack, seen = [root], {root}
-        while stack:
-            h = stack.pop()
-            for c, slot, _ in g.consumers[h]:
-                if optable.is_update_op(g.ops[c]) or c in seen:
-                    continue
-                if slot == 0 and g.ops[c] in optable.HANDLE_FORWARDING_OPS:
-                    seen.add(c)
-                    stack.append(c)
-                elif slot == 0:
-                    seen.add(c)
-                    readers[root].append(c)
+        readers[root] = _readers_of(g, root)
     return updates, readers
 
 
@@ -150,6 +174,133 @@ def _gradient_of(g: GraphIndex, handle: int, readers: Sequence[int],
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class GradientWrites:
+    """Variables trained through a write of another variable (gradient
+    accumulation), found by `gradient_writes`.
+
+    Attributes:
+      found: handle root -> (weight user F, weight gradient G, the root of a
+        variable G's value is written into), for variables that no op of the
+        graph writes, in the order detect_training examines them.
+      readers: handle root -> reader nodes, for every variable read.
+    """
+
+    found: dict
+    readers: dict
+
+
+def gradient_writes(g: GraphIndex) -> GradientWrites:
+    """Variables no op writes whose weight gradient is written elsewhere.
+
+    A variable V qualifies when an op F combines V's value with an
+    activation x, an op G that also consumes x lies downstream of F and
+    upstream of some variable write, and G is in the backward pass:
+    downstream of a backward marker (see the module docstring). Costs two
+    sweeps of the graph however many variables it has; memoized per graph.
+
+    Args:
+      g: the graph index.
+
+    Returns:
+      A GradientWrites.
+    """
+    return memoized(g, "gradient_writes", _gradient_writes)
+
+
+def _all_readers(g: GraphIndex) -> dict:
+    """Handle root -> readers, for every variable that is read."""
+    roots = set()
+    for i, op in enumerate(g.ops):
+        if op in _VALUE_READ_OPS and g.data_inputs[i]:
+            roots.add(handle_root(g, g.data_inputs[i][0][0]))
+        elif op in optable.REF_VARIABLE_OPS:
+            roots.add(i)
+    readers = {}
+    for root in sorted(roots):
+        found = _readers_of(g, root)
+        if found:
+            readers[root] = found
+    return readers
+
+
+def _gradient_writes(g: GraphIndex) -> GradientWrites:
+    readers = _all_readers(g)
+    update_nodes = [i for i, op in enumerate(g.ops)
+                    if g.data_inputs[i] and optable.is_update_op(op)]
+    if not update_nodes or not readers:
+        return GradientWrites({}, readers)
+    written = {handle_root(g, g.data_inputs[u][0][0]) for u in update_nodes}
+    feeding = ancestors(g, update_nodes, control=False, state=True)
+    # Every weight user that feeds a write, of any variable: the candidate
+    # F's, and the evidence for input gradients dx = dy W^T.
+    users_of = {}
+    for root, nodes in readers.items():
+        _, users = weight_users(g, root, nodes)
+        users_of[root] = [(f, acts) for f, acts in users if f in feeding]
+    bit, handles_of = {}, collections.defaultdict(set)
+    for root, users in users_of.items():
+        for f, _ in users:
+            bit.setdefault(f, 1 << len(bit))
+            handles_of[f].add(root)
+    if not bit:
+        return GradientWrites({}, readers)
+    # mask[n]: the weight users n descends from (data edges), one topo sweep
+    # over the nodes that feed a write (no other node can be a G).
+    mask = {}
+    for n in g.topo:
+        if n not in feeding:
+            continue
+        m = bit.get(n, 0)
+        for p, _ in g.data_inputs[n]:
+            m |= mask.get(p, 0)
+        mask[n] = m
+    same_weight = {}
+    for root, users in users_of.items():
+        m = 0
+        for f, _ in users:
+            m |= bit[f]
+        same_weight[root] = m
+    markers = set()
+    for root, users in users_of.items():
+        for f, acts in users:
+            # dx = dy W^T: reads W with a value derived from another op that
+            # reads W (the forward F); a forward op's input never is.
+            others = same_weight[root] & ~bit[f]
+            if any(mask.get(x, 0) & others for x in acts):
+                markers.add(f)
+    forward_users = set(bit) - markers
+    for n, op in enumerate(g.ops):
+        if optable.is_gradient_op(op) and n not in forward_users:
+            markers.add(n)
+        elif op in optable.FUSED_LOSS_OPS:
+            markers.update(c for c, _, port in g.consumers[n] if port == 1)
+    if not markers:
+        # No reverse-mode differentiation anywhere: an evaluation or
+        # metrics step, whatever its residual blocks look like.
+        return GradientWrites({}, readers)
+    backward = descendants(g, markers, within=feeding)
+    found = {}
+    candidates = sorted((h for h in users_of if h not in written and users_of[h]),
+                        key=lambda h: (-len(readers[h]), h))
+    for root in candidates[:MAX_VARIABLES_EXAMINED]:
+        for f, acts in users_of[root]:
+            gop = next((c for x in sorted(acts) for c, _, _ in g.consumers[x]
+                        if c != f and c in backward and mask[c] & bit[f]), None)
+            if gop is not None:
+                found[root] = (f, gop, _written_by(g, gop, feeding))
+                break
+    return GradientWrites(found, readers)
+
+
+def _written_by(g: GraphIndex, node: int, feeding: set) -> int:
+    """The handle root of the first variable write downstream of `node`."""
+    for n in sorted(descendants(g, [node], within=feeding)):
+        if optable.is_update_op(g.ops[n]) and g.data_inputs[n]:
+            return handle_root(g, g.data_inputs[n][0][0])
+    return node
+
+
 def detect_training(g: GraphIndex) -> TrainingInfo:
     """Decides structurally whether a graph is a training step.
 
@@ -176,6 +327,14 @@ def detect_training(g: GraphIndex) -> TrainingInfo:
                 True, f"variable {g.names[handle]!r} is updated from a weight "
                 f"gradient ({g.names[gop]!r})", (g.names[handle],),
                 (g.names[gop],), len(updates))
+    # Gradient accumulation: the weights are read, their gradients written
+    # into other variables.
+    accumulated = gradient_writes(g).found
+    for handle, (_, gop, target) in accumulated.items():
+        return TrainingInfo(
+            True, f"variable {g.names[handle]!r} has a weight gradient "
+            f"({g.names[gop]!r}) written into variable {g.names[target]!r}",
+            (g.names[handle],), (g.names[gop],), len(updates))
     return TrainingInfo(False, f"{len(updates)} variable(s) updated, none from a "
                         "gradient (metrics or state updates only)",
                         updated_variables=len(updates))

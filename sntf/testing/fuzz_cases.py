@@ -23,6 +23,14 @@ DENSE_OPS = ("linear", "linear", "act", "add", "mul", "concat", "split", "norm",
              "tied", "causal")
 CONV_OPS = DENSE_OPS + ("pool", "deconv")
 MAX_WIDTH = 48            # concatenations stop growing the feature axis here
+# What a step writes its gradients with: "sub" applies SGD to the weights
+# (v.assign_sub(lr * g)); the others accumulate them into variables of
+# their own and leave the weights alone, as a gradient-accumulation
+# micro-step does: acc.assign_add(g), acc.assign(acc + g), a scatter-add
+# over every row (ResourceScatterAdd), and an optimizer's apply op
+# (ResourceApplyGradientDescent, acc -= lr * g). Training detection must
+# see each as a training step.
+WRITERS = ("sub", "accumulate", "assign", "scatter", "apply")
 DEVICES = ("/device:CPU:0", "/device:CPU:1")
 LEARNING_RATE = 0.05
 
@@ -66,6 +74,8 @@ def case_specs(policies=POLICIES):
             # last, so that the other fields of a seed's cases stay as
             # they were.
             "loop": draw(st.sampled_from((0, 0, 0, 2))),
+            # Drawn after "loop" for the same reason; SGD half the time.
+            "writer": draw(st.sampled_from(("sub",) * (len(WRITERS) - 1) + WRITERS[1:])),
         }
 
     return spec()
@@ -154,10 +164,21 @@ def build(spec: dict, tf):
     Returns:
       (step, variables): step(x) runs one SGD step (or spec["loop"] of
       them inside a tf.while_loop) and returns [loss, output, *gradients]
-      of the last.
+      of the last; variables are the weights, then the accumulators the
+      step writes where spec["writer"] (default "sub") accumulates.
     """
     conv = spec["kind"] == "conv"
     variables, params = _parameters(spec, tf)
+    writer = spec.get("writer", "sub")
+    if writer not in WRITERS:
+        raise ValueError(f"spec writer {writer!r} is not one of {WRITERS}")
+    targets = variables
+    if writer != "sub":
+        # One accumulator beside each weight, on the weight's device.
+        targets = []
+        for v in variables:
+            with tf.device(v.device):
+                targets.append(tf.Variable(tf.zeros_like(v), trainable=False))
     forward = _forward(spec, tf, params)
     feature = [spec["hw"], spec["hw"], spec["dims"][0]] if conv else [spec["dims"][0]]
     batch = None if spec["unknown_batch"] else spec["batch"]
@@ -169,8 +190,8 @@ def build(spec: dict, tf):
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
         def apply():
-            for v, g in zip(variables, grads):
-                v.assign_sub(LEARNING_RATE * g)
+            for v, g in zip(targets, grads):
+                _write(tf, writer, v, g)
             return tf.constant(True)
 
         if spec.get("guarded_update"):
@@ -181,6 +202,8 @@ def build(spec: dict, tf):
         return [loss, out] + list(grads)
 
     signature = [tf.TensorSpec([batch] + feature, tf.float32)]
+    if writer != "sub":
+        variables = variables + targets
     if not spec.get("loop"):
         return tf.function(one_step, input_signature=signature), variables
 
@@ -196,6 +219,21 @@ def build(spec: dict, tf):
         return carried[1:]
 
     return looped, variables
+
+
+def _write(tf, writer: str, v, g) -> None:
+    """Writes gradient g into variable v as `writer` (see WRITERS) does."""
+    if writer == "sub":
+        v.assign_sub(LEARNING_RATE * g)
+    elif writer == "accumulate":
+        v.assign_add(g)
+    elif writer == "assign":
+        v.assign(v + g)
+    elif writer == "scatter":
+        v.scatter_add(tf.IndexedSlices(g, tf.range(tf.shape(g)[0])))
+    else:
+        tf.raw_ops.ResourceApplyGradientDescent(
+            var=v.handle, alpha=tf.constant(LEARNING_RATE, v.dtype), delta=g)
 
 
 def _parameters(spec: dict, tf) -> tuple[list, list]:
