@@ -12,7 +12,7 @@ import math
 import numbers
 import os
 import threading
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 # Re-exported: sizes and budgets are part of the configuration's API.
 from sntf.sizes import (BUDGET_FORMS, MAX_REPORTS, Budget, _number,  # noqa: F401
@@ -104,18 +104,24 @@ def _share(values: Mapping[str, Any], name: str, upper: float) -> float:
     return float(number)
 
 
-def parse_options(options: Mapping[str, Any]) -> Options:
+def parse_options(options: Mapping[str, Any], caller: str = "sntf.enable()"
+                  ) -> Options:
     """Validates enable()'s keyword options.
 
     Args:
       options: keyword arguments given to sntf.enable beyond policy and budget.
+      caller: the function the user called, named in the error message.
 
     Returns:
       An Options value.
+
+    Raises:
+      TypeError: an unknown option name.
+      ValueError: a malformed option value.
     """
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
-        raise TypeError(f"sntf.enable() got unknown option(s) {unknown}; "
+        raise TypeError(f"{caller} got unknown option(s) {unknown}; "
                         f"accepted options: {', '.join(OPTION_NAMES)}")
     values = dict(options)
     for flag in ("identity_rewrite", "keep_graphs", "pin_order"):
@@ -180,21 +186,104 @@ def current() -> State:
 
 
 def set_state(state: State) -> None:
-    """Replaces the switch state atomically."""
+    """Replaces the switch state atomically.
+
+    The host pool's limit follows the options of every enabled state
+    (host_pool_limit None: SNTF_HOST_POOL_LIMIT, else physical memory), so
+    that a limit set once does not outlive the options that set it. A
+    disabled state leaves the limit alone: graphs already rewritten keep
+    swapping under the limit they were enabled with.
+    """
     global _state
     with _lock:
         _state = state
+        if state.enabled:
+            _sync_host_pool_limit(state.options.host_pool_limit)
+
+
+def _sync_host_pool_limit(limit: Optional[int]) -> None:
+    """Applies a host_pool_limit option to the pool, once the op library is
+    loaded (before that, enable() applies it when it loads the library;
+    nothing here imports TensorFlow)."""
+    import sys
+
+    native = sys.modules.get("sntf.runtime.native")
+    if native is not None and native.ops_loaded():
+        native.apply_host_pool_limit(limit)
+
+
+# The runner's flags that take a value in the next argument (sntf/__main__.py).
+_RUNNER_VALUE_FLAGS = ("policy", "budget", "option")
+# Interpreter options that take a value in the next argument.
+_PYTHON_VALUE_OPTIONS = ("-X", "-W")
+
+
+def runner_flags(argv: Optional[Sequence[str]] = None) -> dict:
+    """The --policy and --budget flags of `python -m sntf`, when this
+    process is that runner.
+
+    The runner's flags override SNTF_POLICY and SNTF_BUDGET, but sntf reads
+    those when the package is imported, before the runner parses its flags:
+    importing sntf must then skip the variables the flags replace, or a
+    malformed one would stop the runner the flag was meant to correct.
+
+    Args:
+      argv: the interpreter's full command line (default: sys.orig_argv).
+
+    Returns:
+      {"policy": text, "budget": text} for the flags given (the last of
+      each), or {} when this process is not `python -m sntf`.
+    """
+    import sys
+
+    argv = list(getattr(sys, "orig_argv", ()) if argv is None else argv)
+    i, rest = 1, None
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-m" or (arg.startswith("-m") and not arg.startswith("--")):
+            module = argv[i + 1] if arg == "-m" and i + 1 < len(argv) else arg[2:]
+            start = i + 2 if arg == "-m" else i + 1
+            rest = argv[start:] if module == "sntf" else None
+            break
+        if arg in _PYTHON_VALUE_OPTIONS:
+            i += 2
+            continue
+        if not arg.startswith("-") or arg == "-" or arg.startswith("-c"):
+            break   # a script, stdin or -c: not the runner
+        i += 1
+    if rest is None:
+        return {}
+    found: dict = {}
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if arg == "--" or not arg.startswith("-") or arg == "-":
+            break   # the script and its own arguments
+        name, sep, value = arg.lstrip("-").partition("=")
+        if not sep and name in _RUNNER_VALUE_FLAGS:
+            value = rest[i + 1] if i + 1 < len(rest) else ""
+            i += 1
+        if name in ("policy", "budget"):
+            found[name] = value
+        i += 1
+    return found
 
 
 def from_environment(environ: Mapping[str, str] = os.environ,
-                     device_memory: Optional[int] = None
+                     device_memory: Optional[int] = None,
+                     argv: Optional[Sequence[str]] = None,
                      ) -> Optional[tuple[str, Optional[Budget]]]:
     """Reads SNTF_POLICY and SNTF_BUDGET.
+
+    In the `python -m sntf` runner, a variable its flag overrides is not
+    read (runner_flags).
 
     Args:
       environ: the environment to read.
       device_memory: the device's memory in bytes, when known (a fraction
         budget must come to at least 1 MiB of it).
+      argv: the interpreter's command line, for runner_flags (default:
+        sys.orig_argv).
 
     Returns:
       (policy, budget) when either variable is set and non-empty, else None.
@@ -202,8 +291,9 @@ def from_environment(environ: Mapping[str, str] = os.environ,
     Raises:
       ValueError: for malformed values, naming the variable.
     """
-    policy_text = environ.get(ENV_POLICY, "").strip()
-    budget_text = environ.get(ENV_BUDGET, "").strip()
+    overridden = runner_flags(argv)
+    policy_text = "" if "policy" in overridden else environ.get(ENV_POLICY, "").strip()
+    budget_text = "" if "budget" in overridden else environ.get(ENV_BUDGET, "").strip()
     if not policy_text and not budget_text:
         return None
     try:
@@ -337,7 +427,7 @@ def set_options(options: Mapping[str, Any]) -> None:
     policy, budget, current_options = _current_parts()
     merged = dict(current_options)
     merged.update(options)
-    parse_options(merged)
+    parse_options(merged, caller="sntf.config.set_options()")
     _enable(policy, budget, merged)
 
 

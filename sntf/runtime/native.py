@@ -172,6 +172,41 @@ def set_host_pool_limit(limit_bytes: int) -> None:
     lib.sntf_pool_set_limit(lib.sntf_pool_global(), int(limit_bytes))
 
 
+def physical_memory_bytes() -> int:
+    """The machine's physical memory, as the host pool's default limit
+    counts it (tf_ops/host_pool.cc, PhysicalMemoryBytes)."""
+    try:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 2**64 - 1
+    return pages * page if pages > 0 and page > 0 else 2**64 - 1
+
+
+def apply_host_pool_limit(limit_bytes: Optional[int]) -> int:
+    """Sets the global host pool's limit from the host_pool_limit option.
+
+    Args:
+      limit_bytes: the option's value; None means SNTF_HOST_POOL_LIMIT when
+        it is set and well-formed, else the physical memory size (the
+        pool's own default).
+
+    Returns:
+      The limit set, in bytes.
+    """
+    if limit_bytes is None:
+        from sntf import config
+
+        try:
+            limit_bytes = config.host_pool_limit_from_environment()
+        except ValueError:
+            # Reported when sntf was imported; the pool ignores it too.
+            limit_bytes = None
+    if limit_bytes is None:
+        limit_bytes = physical_memory_bytes()
+    set_host_pool_limit(limit_bytes)
+    return int(limit_bytes)
+
+
 def set_host_pin_limit(limit_bytes: int) -> None:
     """Caps the bytes of the global host pool that may be page-locked.
 
