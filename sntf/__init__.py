@@ -18,10 +18,12 @@ from typing import Any, Optional
 
 from sntf import config, ops
 from sntf.config import Budget, parse_budget, parse_policy
+from sntf.verify import verify, verify_graphs
 
 __version__ = "0.1.0"
 __all__ = ["enable", "disable", "enabled", "reports", "summary", "stats", "config",
-           "ops", "Budget", "parse_budget", "parse_policy", "__version__"]
+           "ops", "Budget", "parse_budget", "parse_policy", "verify", "verify_graphs",
+           "__version__"]
 
 logger = logging.getLogger("sntf")
 _enable_lock = threading.Lock()

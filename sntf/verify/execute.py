@@ -1,0 +1,482 @@
+"""The verifier's TensorFlow part: both graphs run in Sessions of their own,
+from the same variable values and inputs, and their tensors compared chunk
+by chunk (verify_graphs).
+
+A function body's GraphDef (what Grappler hands sntf) reads its inputs from
+`_Arg` nodes and returns through `_Retval` nodes, which only a function call
+frame serves. To run it in a tf.compat.v1.Session, each data `_Arg` becomes
+a Placeholder, each DT_RESOURCE `_Arg` a VarHandleOp of its own (initialised
+from the given value before every run), and each `_Retval` an Identity.
+The Sessions run with Grappler and TensorFlow's classic graph optimizer off
+(neither TensorFlow's optimizers nor sntf's plugin touch the graphs again;
+constant folding or CSE would merge a recomputed clone back into its
+source) and with one inter-op thread (one executor order per graph).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from sntf.graph import names
+from sntf.verify import DEFAULT_CHUNK_BYTES, core
+
+# The accepted forms, for error messages.
+GRAPH_FORMS = "a tf.compat.v1.GraphDef (or its serialized bytes)"
+INPUT_FORMS = ("a mapping from each _Arg's index attr to its value: an array for a data "
+               "argument, the variable's value (an array) before the step for a "
+               "DT_RESOURCE argument")
+PREFIX = "sntf_verify"
+
+
+def _graph_def(value: Any, what: str):
+    from tensorflow.core.framework import graph_pb2
+
+    if isinstance(value, graph_pb2.GraphDef):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return graph_pb2.GraphDef.FromString(bytes(value))
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and kin
+            raise ValueError(f"sntf.verify_graphs: {what} is not a serialized GraphDef "
+                             f"({type(e).__name__}: {e}); expected {GRAPH_FORMS}") from None
+    raise ValueError(f"sntf.verify_graphs: {what} must be {GRAPH_FORMS}, got "
+                     f"{type(value).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgSpec:
+    """One _Arg of a function body.
+
+    Attributes:
+      index: its `index` attr (its place among the function's inputs).
+      name: the node's name.
+      dtype: its DataType enum (T).
+      handle_dtype: for a DT_RESOURCE argument, the DataType of the value
+        the handle holds (`_handle_dtypes`), else None.
+    """
+
+    index: int
+    name: str
+    dtype: int
+    handle_dtype: Optional[int]
+
+
+def arg_specs(graph_def) -> dict:
+    """index -> ArgSpec of every _Arg node of a GraphDef."""
+    from tensorflow.core.framework import types_pb2
+
+    out = {}
+    for node in graph_def.node:
+        if node.op != "_Arg":
+            continue
+        dtype = node.attr["T"].type
+        handle = None
+        if dtype == types_pb2.DT_RESOURCE:
+            listed = node.attr["_handle_dtypes"].list.type if "_handle_dtypes" in node.attr \
+                else []
+            handle = listed[0] if listed else None
+        out[node.attr["index"].i] = ArgSpec(node.attr["index"].i, node.name, dtype, handle)
+    return out
+
+
+def session_graph_def(graph_def, values: Mapping[int, np.ndarray]):
+    """A copy of a function body's GraphDef that a Session can run.
+
+    Each data _Arg becomes a Placeholder of its dtype and its value's shape,
+    each DT_RESOURCE _Arg a VarHandleOp of the value's dtype and shape with
+    a shared_name of its own, each _Retval an Identity. Names, inputs and
+    devices stay as they are, so every other node's inputs still resolve.
+
+    Args:
+      graph_def: the function body.
+      values: _Arg index -> its value (a variable's value for a resource).
+
+    Returns:
+      The new GraphDef.
+    """
+    import tensorflow as tf
+    from tensorflow.core.framework import graph_pb2, types_pb2
+
+    out = graph_pb2.GraphDef()
+    out.CopyFrom(graph_def)
+    for node in out.node:
+        if node.op == "_Arg":
+            index, dtype = node.attr["index"].i, node.attr["T"].type
+            value = values[index]
+            shape = tf.TensorShape(value.shape).as_proto()
+            node.ClearField("attr")
+            if dtype == types_pb2.DT_RESOURCE:
+                node.op = "VarHandleOp"
+                node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
+                node.attr["shape"].shape.CopyFrom(shape)
+                node.attr["container"].s = b""
+                node.attr["shared_name"].s = f"{PREFIX}_{index}_{node.name}".encode()
+            else:
+                node.op = "Placeholder"
+                node.attr["dtype"].type = dtype
+                node.attr["shape"].shape.CopyFrom(shape)
+        elif node.op == "_Retval":
+            dtype = node.attr["T"].type
+            node.op = "Identity"
+            node.ClearField("attr")
+            node.attr["T"].type = dtype
+    return out
+
+
+def session_config():
+    """Grappler and the classic graph optimizer off, one inter-op thread of
+    the Session's own, the process' intra-op threads."""
+    import tensorflow as tf
+
+    config = tf.compat.v1.ConfigProto(
+        inter_op_parallelism_threads=1, use_per_session_threads=True,
+        intra_op_parallelism_threads=tf.config.threading.get_intra_op_parallelism_threads(),
+        allow_soft_placement=True)
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    options = config.graph_options.optimizer_options
+    options.opt_level = tf.compat.v1.OptimizerOptions.L0
+    options.do_common_subexpression_elimination = False
+    options.do_constant_folding = False
+    return config
+
+
+class GraphRun:
+    """One graph in a Session of its own, run step by step from the same
+    variable values: every run assigns them first."""
+
+    def __init__(self, graph_def, values: Mapping[int, np.ndarray], specs: Mapping[int, ArgSpec]):
+        import tensorflow as tf
+
+        self.graph_def = graph_def
+        self.graph = tf.Graph()
+        self._feeds: dict = {}
+        self._init_feeds: dict = {}
+        init, reads = [], []
+        with self.graph.as_default():
+            tf.graph_util.import_graph_def(session_graph_def(graph_def, values), name="")
+            for index in sorted(specs):
+                spec, value = specs[index], values[index]
+                tensor = self.graph.get_tensor_by_name(spec.name + ":0")
+                if spec.handle_dtype is None and tensor.dtype != tf.resource:
+                    self._feeds[tensor] = value
+                    continue
+                with tf.name_scope(f"{PREFIX}/init"):
+                    holder = tf.compat.v1.placeholder(value.dtype, value.shape)
+                    init.append(tf.raw_ops.AssignVariableOp(resource=tensor, value=holder))
+                with tf.name_scope(f"{PREFIX}/read"):
+                    reads.append(tf.raw_ops.ReadVariableOp(resource=tensor,
+                                                           dtype=holder.dtype))
+                self._init_feeds[holder] = value
+        self._init, self.reads = init, reads
+        returns = {n.name for n in graph_def.node if n.op == "_Retval"}
+        mine = {n.name for n in graph_def.node}
+        # What a function call runs (TensorFlow prunes a function body to the
+        # nodes its returns need plus its stateful nodes): the whole step,
+        # however few tensors a run fetches.
+        self.targets = [op for op in self.graph.get_operations()
+                        if op.name in mine and (op.name in returns or op.op_def.is_stateful)]
+        self.returns = sorted(returns)
+        self.session = tf.compat.v1.Session(graph=self.graph, config=session_config())
+        self.runs = 0
+
+    def nodes(self) -> list:
+        """The graph's nodes as core.Node values (outputs as the Session sees
+        them: a _Retval is an Identity with one output)."""
+        out = []
+        for n in self.graph_def.node:
+            op = self.graph.get_operation_by_name(n.name)
+            out.append(core.Node(n.name, n.op, tuple(n.input), names.role_of(n),
+                                 tuple(t.dtype.name for t in op.outputs)))
+        return out
+
+    def sizes(self) -> dict:
+        """"node:port" -> bytes of each output whose static shape is known."""
+        out = {}
+        for n in self.graph_def.node:
+            for t in self.graph.get_operation_by_name(n.name).outputs:
+                count = t.shape.num_elements() if t.shape.rank is not None else None
+                width = t.dtype.size if t.dtype.is_numeric or t.dtype.is_bool else None
+                out[t.name] = None if count is None or width is None else count * width
+        return out
+
+    def run(self, fetches: Sequence[str], variables: bool = False) -> tuple:
+        """One step from the initial values, fetching `fetches`.
+
+        Args:
+          fetches: "node:port" names.
+          variables: also read every variable after the step.
+
+        Returns:
+          (digests of the fetches, digests of the variables or []), each a
+          list of 32-byte sha256 digests in order. The values themselves are
+          dropped as soon as they are digested.
+        """
+        self.session.run(self._init, self._init_feeds)
+        tensors = [self.graph.get_tensor_by_name(f) for f in fetches]
+        values = self.session.run([tensors, self.targets], self._feeds)[0]
+        self.runs += 1
+        fetched = [core.digest(v) for v in values]
+        del values
+        after = []
+        if variables:
+            after = [core.digest(v) for v in self.session.run(self.reads)]
+        return fetched, after
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def _values(inputs: Any, specs: Mapping[int, ArgSpec]) -> dict:
+    """Checks and converts the inputs: _Arg index -> numpy array."""
+    import tensorflow as tf
+    from tensorflow.core.framework import types_pb2
+
+    if not isinstance(inputs, Mapping):
+        raise ValueError(f"sntf.verify_graphs: inputs must be {INPUT_FORMS}; got "
+                         f"{type(inputs).__name__}")
+    missing = sorted(set(specs) - set(inputs))
+    if missing:
+        listed = ", ".join(f"{i} ({specs[i].name})" for i in missing[:8])
+        raise ValueError(f"sntf.verify_graphs: inputs lack _Arg index(es) {listed}; "
+                         f"expected {INPUT_FORMS}")
+    extra = sorted(set(inputs) - set(specs), key=repr)
+    if extra:
+        raise ValueError(f"sntf.verify_graphs: inputs name {extra[:8]!r}, which are not "
+                         f"_Arg indexes of the original graph ({sorted(specs)[:8]}...); "
+                         f"expected {INPUT_FORMS}")
+    out = {}
+    for index, spec in specs.items():
+        value = inputs[index]
+        if hasattr(value, "numpy"):
+            value = value.numpy()
+        array = np.asarray(value)
+        wanted = spec.handle_dtype if spec.dtype == types_pb2.DT_RESOURCE else spec.dtype
+        if wanted is not None:
+            expected = tf.as_dtype(wanted)
+            if array.dtype != expected.as_numpy_dtype:
+                raise ValueError(
+                    f"sntf.verify_graphs: input {index} ({spec.name}) is {array.dtype}, "
+                    f"but the graph's _Arg holds {expected.name}; give an array of "
+                    f"{expected.name}")
+        out[index] = array
+    return out
+
+
+def _check_same_args(original: Mapping[int, ArgSpec], rewritten: Mapping[int, ArgSpec]) -> None:
+    if {i: (s.name, s.dtype) for i, s in original.items()} != \
+            {i: (s.name, s.dtype) for i, s in rewritten.items()}:
+        raise ValueError("sntf.verify_graphs: the rewritten graph's _Arg nodes (names, "
+                         "indexes, types) differ from the original's; pass the two "
+                         "GraphDefs of one report (original_graph, rewritten_graph)")
+
+
+def verify_graphs(original_graph_def: Any, rewritten_graph_def: Any, inputs: Mapping[int, Any],
+                  variable_names: Optional[Mapping[int, str]] = None,
+                  max_chunk_bytes: Union[int, str] = DEFAULT_CHUNK_BYTES,
+                  check_repeat: bool = True) -> core.VerifyResult:
+    """Runs one step of both graphs from the same inputs and compares them
+    bit for bit: every tensor both compute, each recomputed clone against
+    its source, each swapped-in (and parked) tensor against the tensor
+    swapped out, the step's outputs, and every variable after the update.
+
+    The tensors are fetched in chunks of at most `max_chunk_bytes` per
+    graph, each chunk from a fresh step (the variables assigned their
+    initial values first), and only their sha256 digests are kept; the
+    verifier stops after the first chunk with a difference. A difference is
+    then checked against a second run of the original graph: if that does
+    not repeat its own bits, the verdict is "nondeterministic".
+
+    Args:
+      original_graph_def: the graph Grappler handed sntf (a report's
+        `original_graph` with keep_graphs=True): a GraphDef or its bytes.
+      rewritten_graph_def: the graph sntf handed back (`rewritten_graph`).
+      inputs: _Arg index -> value: the data arguments' arrays and, for each
+        DT_RESOURCE argument, the variable's value before the step.
+      variable_names: _Arg index -> a name for the report (default: the
+        _Arg node's name).
+      max_chunk_bytes: the most bytes of tensors one run fetches from one
+        graph: bytes or a size string ("256MiB").
+      check_repeat: on a difference, run the original graph again to tell
+        a rewrite's difference from a graph that does not repeat itself.
+
+    Returns:
+      A VerifyResult (`str()` of it is the readable report).
+
+    Raises:
+      ValueError: a graph that is not a GraphDef, inputs that do not match
+        the graph's _Arg nodes, a bad max_chunk_bytes.
+    """
+    from sntf import sizes as sizes_module
+    from sntf.runtime import native
+
+    start = time.perf_counter()
+    original = _graph_def(original_graph_def, "original_graph_def")
+    rewritten = _graph_def(rewritten_graph_def, "rewritten_graph_def")
+    chunk_bytes = sizes_module.parse_size(max_chunk_bytes, "max_chunk_bytes")
+    specs = arg_specs(original)
+    _check_same_args(specs, arg_specs(rewritten))
+    values = _values(inputs, specs)
+    labels = {i: (variable_names or {}).get(i) or specs[i].name for i in specs}
+    if any(n.op.startswith("Sn") for n in rewritten.node):
+        native.load_ops()           # the rewritten graph's swap and cache ops
+    runs = (GraphRun(original, values, specs), GraphRun(rewritten, values, specs))
+    try:
+        return _compare(runs, labels, chunk_bytes, check_repeat, start)
+    finally:
+        for run in runs:
+            run.close()
+
+
+def _compare(runs: tuple, labels: Mapping[int, str], chunk_bytes: int, check_repeat: bool,
+             start: float) -> core.VerifyResult:
+    first, second = runs
+    o_nodes, r_nodes = first.nodes(), second.nodes()
+    match = core.correspond(o_nodes, r_nodes)
+    sizes = first.sizes()
+    sizes.update(second.sizes())
+    chunks = core.chunk_pairs(match.pairs, sizes, chunk_bytes)
+    base = dict(tensors_total=len(match.pairs), skipped=dict(match.skipped),
+                original_only=match.original_only, rewritten_only=match.rewritten_only,
+                chunks_total=len(chunks), nodes=(len(o_nodes), len(r_nodes)))
+    notes = []
+
+    # The whole step with nothing fetched but its outputs: the variables
+    # after it, as the step leaves them when no fetch holds a tensor back.
+    returns = [f"{name}:0" for name in first.returns if f"{name}:0" in sizes]
+    o_out, o_vars = first.run(returns, variables=True)
+    r_out, r_vars = second.run(returns, variables=True)
+    order = sorted(labels)
+    variable_indexes = [i for i in order if i in _resource_indexes(first)]
+    differing = [labels[i] for i, a, b in zip(variable_indexes, o_vars, r_vars) if a != b]
+    outputs_differ = [r for r, a, b in zip(returns, o_out, r_out) if a != b]
+    counts = dict.fromkeys(core.KINDS, 0)
+    found = None
+    chunks_run = 0
+    chunk: list = []
+    digests: tuple = ({}, {})
+    for chunk in chunks:
+        chunks_run += 1
+        o_fetch = list(dict.fromkeys(p.original for p in chunk))
+        r_fetch = list(dict.fromkeys(p.rewritten for p in chunk))
+        digests = (dict(zip(o_fetch, first.run(o_fetch)[0])),
+                   dict(zip(r_fetch, second.run(r_fetch)[0])))
+        for kind, n in core.counted(chunk).items():
+            counts[kind] += n
+        found = core.first_difference(chunk, *digests)
+        if found is not None:
+            break
+    result = dict(base, tensors_compared=sum(counts.values()),
+                  clones_compared=counts[core.CLONE], swap_ins_compared=counts[core.SWAP_IN],
+                  swap_outs_compared=counts[core.SWAP_OUT],
+                  variables_compared=len(variable_indexes),
+                  variables_differing=len(differing),
+                  first_variable=differing[0] if differing else None,
+                  outputs_compared=len(returns), chunks_run=chunks_run)
+    if found is None and not differing and not outputs_differ:
+        return _finish(core.IDENTICAL, result, notes, runs, start)
+    if check_repeat:
+        repeat = _repeat_check(first, found, chunk, digests[0], returns, o_out, o_vars,
+                               variable_indexes, labels, o_nodes)
+        if repeat is not None:
+            result.update(repeat)
+            notes.append("the original graph computed other bits in a second run from "
+                         "the same inputs (enable op determinism: "
+                         "tf.config.experimental.enable_op_determinism()); no difference "
+                         "can be blamed on the rewrite")
+            return _finish(core.NONDETERMINISTIC, result, notes, runs, start)
+    if found is None:
+        notes.append("every fetched tensor matched, yet " + (
+            f"{len(differing)} variable(s)" if differing else "the step's outputs")
+            + " differ after the step run without fetches: fetching held tensors "
+            "back from in-place reuse or changed the executor's order")
+        return _finish(core.DIFFERENT, result, notes, runs, start)
+    result.update(_first_fields(found, digests))
+    result["inputs"] = _inputs(found, runs, o_nodes, r_nodes)
+    return _finish(core.DIFFERENT, result, notes, runs, start)
+
+
+def _resource_indexes(run: GraphRun) -> set:
+    """_Arg indexes whose values are variables (read after each step)."""
+    from tensorflow.core.framework import types_pb2
+
+    return {n.attr["index"].i for n in run.graph_def.node
+            if n.op == "_Arg" and n.attr["T"].type == types_pb2.DT_RESOURCE}
+
+
+def _first_fields(pair: core.Pair, digests: tuple) -> dict:
+    return dict(first_op=pair.node, first_op_type=pair.op, first_tensor=pair.rewritten,
+                first_original_tensor=pair.original, first_kind=pair.kind,
+                first_digests=(digests[0][pair.original].hex(),
+                               digests[1][pair.rewritten].hex()))
+
+
+def _repeat_check(first: GraphRun, found: Optional[core.Pair], chunk: list, digests: dict,
+                  returns: list, o_out: list, o_vars: list, variable_indexes: list,
+                  labels: Mapping[int, str], o_nodes: list) -> Optional[dict]:
+    """Runs the original graph's differing chunk (or its whole step) again;
+    returns the result fields naming what did not repeat, or None."""
+    if found is not None:
+        fetch = list(digests)
+        again = dict(zip(fetch, first.run(fetch)[0]))
+        ops = {n.name: n.op for n in o_nodes}
+        for pair in chunk:
+            tensor = pair.original
+            if again[tensor] != digests[tensor]:
+                node = names.split_tensor(tensor)[0]
+                return dict(first_op=node, first_op_type=ops.get(node, "?"),
+                            first_tensor=tensor, first_original_tensor=tensor,
+                            first_kind=core.TENSOR,
+                            first_digests=(digests[tensor].hex(), again[tensor].hex()))
+        return None
+    out, after = first.run(returns, variables=True)
+    if out != o_out or after != o_vars:
+        moved = [labels[i] for i, a, b in zip(variable_indexes, o_vars, after) if a != b]
+        return dict(first_variable=moved[0] if moved else None)
+    return None
+
+
+def _inputs(pair: core.Pair, runs: tuple, o_nodes: list, r_nodes: list) -> tuple:
+    """The first differing op's inputs with their digests, from one more
+    step of each graph that fetches just them."""
+    rows = core.input_rows(pair, o_nodes, r_nodes)
+    o_kinds = {n.name: n.outputs for n in o_nodes}
+    r_kinds = {n.name: n.outputs for n in r_nodes}
+
+    def why_not(tensor: str, kinds: Mapping[str, tuple]) -> Optional[str]:
+        if not tensor:
+            return "absent"
+        node, port = names.split_tensor(tensor)
+        outputs = kinds.get(node, ())
+        if port >= len(outputs):
+            return "no such output"
+        return core.comparable(outputs[port])
+
+    fetch = ([r[1] for r in rows if why_not(r[1], o_kinds) is None],
+             [r[2] for r in rows if why_not(r[2], r_kinds) is None])
+    got = []
+    for run, tensors in zip(runs, fetch):
+        unique = list(dict.fromkeys(tensors))
+        got.append(dict(zip(unique, run.run(unique)[0])))
+    out = []
+    for slot, o_in, r_in, via in rows:
+        o_why, r_why = why_not(o_in, o_kinds), why_not(r_in, r_kinds)
+        note = ""
+        if o_why is not None and r_why is not None:
+            note = (f"({o_why}, not fetched)" if o_why == r_why
+                    else f"({o_why} | {r_why}, not fetched)")
+        out.append(core.InputDigest(
+            slot, o_in, r_in,
+            got[0][o_in].hex() if o_why is None else None,
+            got[1][r_in].hex() if r_why is None else None, via, note))
+    return tuple(out)
+
+
+def _finish(verdict: str, fields: dict, notes: list, runs: tuple,
+            start: float) -> core.VerifyResult:
+    return core.VerifyResult(verdict=verdict, notes=tuple(notes),
+                             runs=sum(r.runs for r in runs),
+                             seconds=time.perf_counter() - start, **fields)
