@@ -1,7 +1,7 @@
 """sntf_dump: train a Keras model for a step with sntf and dump what sntf saw.
 
     tools/sntf_dump --model MODEL --batch B [--policy P] [--budget BUDGET]
-                    [--out sntf_dump_out] [--steps 1]
+                    [--out sntf_dump_out] [--steps 1] [--verify]
     python -m sntf.tools.dump ...          (the same tool)
 
 MODEL is a saved `.keras` (or `.h5`) file, or a Python file that defines
@@ -31,6 +31,14 @@ plus OUT/summary.txt, also printed: per graph its nodes, predicted and
 planned peak, lower bound, pass time and actions, and the peak TensorFlow's
 device allocator measured for the whole run, set against the planned peak
 of the graph that ran (the rewritten one).
+
+With --verify, the tool then checks the rewrite on the first batch with
+sntf.verify (the same policy, budget and batch): one training step of the
+original and of the rewritten graph from the same variable values, every
+tensor, clone, swapped-in tensor and variable compared bit for bit. It
+prints the verifier's report, writes it to OUT/verify.txt (OUT/verify.json:
+the result as data) and exits with status 3 when the graphs differ (or the
+original graph does not repeat its own bits).
 
 Measurement set-up, as everywhere in sntf: TF_ENABLE_ONEDNN_OPTS=0 and
 TF_CPU_ALLOCATOR_USE_BFC=true unless already set (so the CPU allocator counts
@@ -69,7 +77,8 @@ from absl import flags  # noqa: E402
 
 from sntf import config  # noqa: E402  (plain Python: no TensorFlow import)
 from sntf.runtime import environment  # noqa: E402  (likewise)
-from sntf.tools.dump_output import dump_graph, one_line, summary_lines  # noqa: E402
+from sntf.tools.dump_output import (dump_graph, one_line, summary_lines,  # noqa: E402
+                                     write_verify)
 
 PROG = "sntf_dump"
 MODEL_SUFFIXES = (".keras", ".h5", ".hdf5", ".py")
@@ -94,6 +103,17 @@ flags.DEFINE_string("budget", None,
 flags.DEFINE_string("out", "sntf_dump_out", "output folder", flag_values=FLAGS)
 flags.DEFINE_integer("steps", 1, "training steps (steps * batch samples)",
                      flag_values=FLAGS)
+flags.DEFINE_bool("verify", False,
+                  "after the dump, check the rewrite on the first batch with "
+                  "sntf.verify: exit status 3 when the graphs compute other bits",
+                  flag_values=FLAGS)
+flags.DEFINE_string("verify_chunk_bytes", "256MiB",
+                    "with --verify: the most bytes of tensors one verification "
+                    "run fetches from one graph (bytes or a size such as 256MiB)",
+                    flag_values=FLAGS)
+
+# Exit status when --verify finds the graphs computing other bits.
+VERIFY_DIFFERS = 3
 
 HELP_ARGS = ("-h", "-?", "-help", "--help", "--helpshort", "--helpfull")
 
@@ -111,6 +131,8 @@ class Settings:
     budget_text: Optional[str]
     out: str
     steps: int
+    verify: bool = False
+    verify_chunk_bytes: int = 256 << 20
 
 
 # ---------------------------------------------------------------- flags
@@ -152,10 +174,15 @@ def parse_flags(argv: list) -> Settings:
         budget = config.parse_budget(budget_text, environment.device_memory_bytes())
     except ValueError as e:
         raise DumpError(f"--budget: {e}") from None
+    try:
+        chunk_bytes = config.parse_size(FLAGS.verify_chunk_bytes, "--verify_chunk_bytes")
+    except ValueError as e:
+        raise DumpError(str(e)) from None
     model_path = check_model_path(FLAGS.model)
     return Settings(model_path=model_path, batch=FLAGS.batch, policy=policy,
                     budget=budget, budget_text=budget_text, out=FLAGS.out,
-                    steps=FLAGS.steps)
+                    steps=FLAGS.steps, verify=FLAGS.verify,
+                    verify_chunk_bytes=chunk_bytes)
 
 
 # ---------------------------------------------------------------- model input
@@ -469,7 +496,41 @@ def run(settings: Settings) -> int:
         f.write(text)
     sys.stdout.write(text)
     sys.stdout.flush()
-    return 0 if training else 1
+    if not training:
+        return 1
+    if settings.verify:
+        return verify_step(settings, model, x, y)
+    return 0
+
+
+def first_batch(data, batch: int):
+    """The first `batch` samples of the tool's inputs or targets (an array, or
+    a list/dict of arrays)."""
+    import tensorflow as tf
+
+    return tf.nest.map_structure(lambda a: a[:batch], data)
+
+
+def verify_step(settings: Settings, model, x, y) -> int:
+    """Runs sntf.verify on the first batch; prints and writes its report.
+
+    Returns:
+      0 when the graphs are identical, VERIFY_DIFFERS otherwise.
+    """
+    import sntf
+
+    try:
+        result = sntf.verify(
+            model, first_batch(x, settings.batch), first_batch(y, settings.batch),
+            policy=settings.policy,
+            budget=None if settings.budget is None else settings.budget.to_user(),
+            max_chunk_bytes=settings.verify_chunk_bytes, batch_size=settings.batch)
+    except (ValueError, RuntimeError) as e:
+        raise DumpError(f"--verify: {one_line(e)}") from None
+    text = write_verify(result, settings.out)
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    return 0 if result.identical else VERIFY_DIFFERS
 
 
 def main(argv: Optional[list] = None) -> int:

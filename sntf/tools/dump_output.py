@@ -5,6 +5,7 @@ Plain functions over the reports sntf keeps with keep_graphs=True.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -324,3 +325,27 @@ def summary_lines(run: dict, graphs: list) -> list:
                      f"{os.path.join(s.out, 'graph_0', 'tensorboard')}")
     lines.append(f"this summary: {os.path.join(s.out, 'summary.txt')}")
     return lines
+
+
+# ---------------------------------------------------------------- --verify
+def write_verify(result, out: str) -> str:
+    """Writes sntf.verify's report to OUT/verify.txt and the result as data to
+    OUT/verify.json; returns the text (with a trailing newline).
+
+    Args:
+      result: a sntf.verify VerifyResult.
+      out: the output folder.
+
+    Returns:
+      The report text, as written to verify.txt.
+    """
+    os.makedirs(out, exist_ok=True)
+    text = str(result) + "\n"
+    with open(os.path.join(out, "verify.txt"), "w", encoding="utf-8") as f:
+        f.write(text)
+    document = dataclasses.asdict(result)
+    document["identical"] = result.identical
+    with open(os.path.join(out, "verify.json"), "w", encoding="utf-8") as f:
+        json.dump(document, f, indent=2, default=str)
+        f.write("\n")
+    return text
