@@ -2,7 +2,31 @@
 
 from __future__ import annotations
 
+import operator
+from typing import Any
+
 from sntf.runtime import native as _native
+
+# The attributes' ranges: TensorFlow stores budget and headroom as int64 and
+# the kernel reads uses as an int. A value outside them failed only after the
+# op had run, leaving a cache entry (and its device or pool bytes) that no
+# ticket refers to, so they are checked before anything is created.
+_INT64_MAX = 2**63 - 1
+_INT32_MAX = 2**31 - 1
+
+
+def _int_argument(name: str, value: Any, low: int, high: int, forms: str) -> int:
+    """`value` as an int in [low, high]; a ValueError naming it otherwise."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"sntf.ops.cache_out: {name} must be {forms}, got "
+                         f"{value!r} ({type(value).__name__})") from None
+    if not low <= number <= high:
+        raise ValueError(f"sntf.ops.cache_out: {name} must be {forms}, got {value!r}")
+    return number
 
 
 def swap_out(x, name: str = None):
@@ -49,9 +73,22 @@ def cache_out(x, budget: int, uses: int = 1, name: str = None,
       An int64 scalar ticket. The cache entry lives no longer than the
       ticket: once every tensor holding it is gone (all reads done, or the
       step failed), the entry and its buffers are released.
+
+    Raises:
+      ValueError: budget, uses or headroom is not an int in its range, or
+        name is not a string; nothing is created then.
     """
-    return _native.load_ops().sn_cache_out(x, budget=int(budget), uses=int(uses),
-                                           headroom=int(headroom), name=name)
+    budget = _int_argument("budget", budget, 0, _INT64_MAX,
+                           "an int number of bytes from 0 to 2**63 - 1")
+    uses = _int_argument("uses", uses, 1, _INT32_MAX, "an int from 1 to 2**31 - 1")
+    headroom = _int_argument("headroom", headroom, -1, _INT64_MAX,
+                             "an int number of bytes from 0 to 2**63 - 1, "
+                             "or -1 for no cap")
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"sntf.ops.cache_out: name must be a string or None, got "
+                         f"{name!r}")
+    return _native.load_ops().sn_cache_out(x, budget=budget, uses=uses,
+                                           headroom=headroom, name=name)
 
 
 def cache_in(ticket, dtype, shape=None, name: str = None):
