@@ -313,6 +313,32 @@ WORKER = textwrap.dedent("""
     out["rewired"] = dict(fields(result), expected=reader.name, expected_op=reader.op,
                           slot=slot, other=other + ":0")
 
+    # A graph that does not repeat its own bits (a stateful random op draws
+    # new numbers on each run), "rewritten" with another op: the difference
+    # cannot be blamed on the rewrite.
+    from google.protobuf import text_format
+    noisy = text_format.Parse('''
+        node { name: "x" op: "_Arg" attr { key: "T" value { type: DT_FLOAT } }
+               attr { key: "index" value { i: 0 } } }
+        node { name: "shape" op: "Const" attr { key: "dtype" value { type: DT_INT32 } }
+               attr { key: "value" value { tensor { dtype: DT_INT32
+                      tensor_shape { dim { size: 1 } } int_val: 4 } } } }
+        node { name: "noise" op: "RandomUniform" input: "shape"
+               attr { key: "T" value { type: DT_INT32 } }
+               attr { key: "dtype" value { type: DT_FLOAT } }
+               attr { key: "seed" value { i: 1 } } attr { key: "seed2" value { i: 2 } } }
+        node { name: "sum" op: "AddV2" input: "x" input: "noise"
+               attr { key: "T" value { type: DT_FLOAT } } }
+        node { name: "out" op: "_Retval" input: "sum"
+               attr { key: "T" value { type: DT_FLOAT } } attr { key: "index" value { i: 0 } } }
+    ''', graph_pb2.GraphDef())
+    changed = graph_pb2.GraphDef()
+    changed.CopyFrom(noisy)
+    next(n for n in changed.node if n.name == "sum").op = "Sub"
+    out["noisy"] = fields(sntf.verify_graphs(noisy, changed, {0: np.ones(4, np.float32)}))
+    out["noisy_alone"] = fields(sntf.verify_graphs(noisy, noisy,
+                                                   {0: np.ones(4, np.float32)}))
+
     # Bad input: named, with the accepted forms.
     errors = {}
     for label, call in {
@@ -386,6 +412,15 @@ def test_a_reader_given_another_tensor_of_the_same_shape_is_named(verified):
     slot = rows[got["slot"]]
     assert slot[2] == got["other"] and slot[3] is False, got["text"]
     assert all(row[3] is True for s, row in rows.items() if s != got["slot"]), got["text"]
+
+
+def test_a_graph_that_does_not_repeat_itself_is_not_blamed_on_the_rewrite(verified):
+    got = verified["noisy"]
+    assert got["verdict"] == "nondeterministic", got["text"]
+    assert got["first_op"] == "noise" and got["first_op_type"] == "RandomUniform", got["text"]
+    assert "first op the original graph does not repeat: noise (RandomUniform)" in got["text"]
+    # Both Sessions draw in step, run for run: the same graph is identical.
+    assert verified["noisy_alone"]["verdict"] == "identical"
 
 
 @pytest.mark.parametrize("label, words", [
