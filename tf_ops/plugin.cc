@@ -190,11 +190,49 @@ py::object FindPass() {
   return module.attr(kPassFunction);
 }
 
+// Raises KeyboardInterrupt again in the main thread: trips SIGINT as a real
+// Ctrl-C would, so Python's handler raises it at the main thread's next
+// bytecode, once TensorFlow returns there (or runs a handler the user set).
+void PassOnInterrupt() { PyErr_SetInterrupt(); }
+
+// Raises a SystemExit again in the main thread, with its exit code, as that
+// thread's asynchronous exception. The class comes from the Python side
+// (_exit_class): the interpreter raises an asynchronous exception by
+// instantiating it without arguments. Falls back to an interrupt.
+void PassOnExit(const py::object& error) {
+  try {
+    py::object made = py::module_::import(kPassModule).attr("_exit_class")(error);
+    py::tuple pair = made.cast<py::tuple>();
+    const unsigned long thread = pair[0].cast<unsigned long>();
+    PyThreadState_SetAsyncExc(thread, pair[1].ptr());
+    return;
+  } catch (py::error_already_set& e) {
+    RecordNativeError(std::string("passing SystemExit on: ") + e.what());
+    e.restore();
+    PyErr_Clear();
+  } catch (const std::exception& e) {
+    RecordNativeError(std::string("passing SystemExit on: ") + e.what());
+  }
+  PyErr_SetInterrupt();
+}
+
 // Runs the Python pass. Returns true and fills `out` with the new graph when
 // the pass produced one; false means "use the input graph".
+//
+// A KeyboardInterrupt or SystemExit from the pass (Ctrl-C, or a signal
+// handler's sys.exit, while a graph was planned) is not a failure of the pass
+// and must not be lost: no exception may cross this callback, so the graph
+// goes back unchanged and the interrupt is raised again in the main thread
+// (PassOnInterrupt), where fit() runs.
 bool RunPythonPass(const TF_Buffer* graph_buf, const TF_GrapplerItem* item,
                    std::string* out) {
   py::gil_scoped_acquire gil;
+  enum { kNone, kKeyboard, kExit } interrupt = kNone;
+  // Declared before every other Python object of this call, so destroyed
+  // after them: nothing that might run Python code is left to run once the
+  // interrupt is armed.
+  py::object exit_error;
+  const bool changed = [&]() -> bool {
   try {
     py::object pass = FindPass();
     if (pass.is_none()) return false;
@@ -226,9 +264,16 @@ bool RunPythonPass(const TF_Buffer* graph_buf, const TF_GrapplerItem* item,
     *out = result.cast<std::string>();
     return true;
   } catch (py::error_already_set& e) {
-    // The Python pass records its own failures; reaching here means the
-    // entry point itself failed.
-    RecordNativeError(e.what());
+    if (e.matches(PyExc_KeyboardInterrupt)) {
+      interrupt = kKeyboard;
+    } else if (e.matches(PyExc_SystemExit)) {
+      interrupt = kExit;
+      exit_error = e.value();
+    } else {
+      // The Python pass records its own failures; reaching here means the
+      // entry point itself failed.
+      RecordNativeError(e.what());
+    }
     e.restore();
     PyErr_Clear();
   } catch (const std::exception& e) {
@@ -237,6 +282,13 @@ bool RunPythonPass(const TF_Buffer* graph_buf, const TF_GrapplerItem* item,
     RecordNativeError("unknown C++ exception");
   }
   return false;
+  }();
+  if (interrupt == kKeyboard) {
+    PassOnInterrupt();
+  } else if (interrupt == kExit) {
+    PassOnExit(exit_error);
+  }
+  return changed;
 }
 
 void Optimize(void* /*optimizer*/, const TF_Buffer* graph_buf,

@@ -3,7 +3,9 @@
 The compiled shim (sntf/_plugin*.so) calls `_optimize` for every graph
 Grappler optimizes on the CPU device type. `_optimize` reads the switch state,
 runs the pass, records one report per graph, and returns new GraphDef bytes
-or None ("leave the graph unchanged"). It never raises.
+or None ("leave the graph unchanged"). It raises nothing but a
+KeyboardInterrupt or SystemExit during the pass, which the shim raises again
+in the main thread.
 
 Registering a second CPU graph optimizer aborts TensorFlow (a CHECK failure),
 so the library is registered at most once per process: `ensure_loaded` checks
@@ -269,7 +271,17 @@ def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
         noops.check_report(report)
         noops.check_pool_fallbacks()
         return out
-    except BaseException as e:  # noqa: BLE001 - nothing may escape into TensorFlow
+    except (KeyboardInterrupt, SystemExit) as e:
+        # Ctrl-C (or a signal handler's sys.exit) while the pass ran: not a
+        # failure of the pass. It goes on to the compiled shim, which hands
+        # the graph back unchanged (no exception may cross a Grappler
+        # callback) and raises it again in the main thread, where fit()
+        # runs, once TensorFlow returns there (tf_ops/plugin.cc). Raising it
+        # again from here would fire inside this very call.
+        logger.warning("%s while the graph pass ran: graph left unchanged, "
+                       "the interrupt passed on", type(e).__name__)
+        raise
+    except Exception as e:  # noqa: BLE001 - a failed pass leaves the graph unchanged
         try:
             report = report_schema.new_report()
             report["action"] = report_schema.ERROR
@@ -277,9 +289,33 @@ def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
             _log_once(report["reason"], "graph pass failed, graph left "
                       f"unchanged: {report['reason']}")
             _record(report, None, config.current().options.max_reports)
-        except BaseException:  # noqa: BLE001
+        except Exception:  # noqa: BLE001
             pass
         return None
+
+
+def _exit_class(error: SystemExit) -> tuple[int, type]:
+    """What the shim needs to raise `error` again in the main thread.
+
+    The interpreter raises an asynchronous exception by calling its class
+    without arguments; this subclass of SystemExit supplies the code.
+
+    Args:
+      error: the SystemExit the pass raised.
+
+    Returns:
+      (the main thread's ident, a SystemExit subclass carrying error.code).
+    """
+    code = error.code
+
+    class _Exit(SystemExit):
+        """SystemExit(code), raised by the interpreter without arguments."""
+
+        def __init__(self, *args) -> None:
+            super().__init__(*(args or (code,)))
+
+    _Exit.__name__ = _Exit.__qualname__ = "SystemExit"
+    return threading.main_thread().ident, _Exit
 
 
 def reports() -> list[dict]:
