@@ -18,6 +18,8 @@ from typing import Callable, Optional, Sequence
 from sntf import analysis, config, graph, planner, report as reports, rewrite
 from sntf.analysis import Analyzed, tensor_cache
 from sntf.analysis.breakdown import breakdown
+from sntf.graph import accumulations
+from sntf.graph.fusions import merged_kernels
 from sntf.graph.identity import graph_key
 from sntf.planner import budget as budget_planning
 from sntf.planner import device_limit, heuristics
@@ -56,6 +58,8 @@ class Environment:
         TensorFlow's default pool. With one, the executor runs a step in
         one order on its own, and the order edges (pin_order) are left out
         where a budget or a device limit binds the plan.
+      op_determinism: whether TensorFlow's op determinism is on (the user
+        asked for results that repeat bit for bit).
     """
 
     threads: int = 1
@@ -67,6 +71,7 @@ class Environment:
     in_use: Optional[Callable[[str], Optional[int]]] = None
     xla_auto_jit: bool = False
     inter_op_threads: Optional[int] = None
+    op_determinism: bool = False
 
 
 @dataclasses.dataclass
@@ -186,6 +191,13 @@ def _run(graph_def, index, state: config.State, report: dict,
     if defer and (state.policy != "off" or state.options.identity_rewrite):
         report["reason"] = f"training graph ({why_training}); {DEFERRED}"
         return PassResult(None, report, deferred=True)
+    original = graph_def
+    with reports.timed(report, "sums"):
+        graph_def, index, refused = _ordered_sums(graph_def, index, env, report)
+    if refused is not None:
+        report["action"] = UNCHANGED
+        report["reason"] = f"training graph ({why_training}); {refused}"
+        return PassResult(None, report)
     base = _analyze(graph_def, index, state, properties, env, report)
     # Resolved once per pass (a GPU graph's fraction asks for the GPU's memory).
     budget = _budget_bytes(state, index, env)
@@ -196,6 +208,14 @@ def _run(graph_def, index, state: config.State, report: dict,
                                              outcome.cache_headroom)
     result = PassResult(None, report, warnings=outcome.warnings)
     plan = _record_plan(outcome, base, budget, report)
+    if rewritten is not None:
+        with reports.timed(report, "sums"):
+            rewritten, refused = _held_sums(rewritten, outcome.planned.index, base, report)
+        if refused is not None:
+            plan = dataclasses.replace(plan, notes=plan.notes + (refused,))
+            report.update(planned_peak_bytes=report.get("predicted_peak_bytes"),
+                          swapped=[], recomputed=[])
+    graph_def = original
     handed = rewritten if rewritten is not None else graph_def
     if state.options.keep_graphs:
         report.update(original_graph=graph_def, rewritten_graph=handed,
@@ -215,6 +235,62 @@ def _run(graph_def, index, state: config.State, report: dict,
         report["action"] = UNCHANGED
         report["reason"] = f"training graph ({why_training}); " + "; ".join(plan.notes)
     return result
+
+
+# Why a rewritten graph goes back unchanged under op determinism.
+SUMS_UNPINNABLE = "order_dependent_sum"
+
+
+def _ordered_sums(graph_def, index, env: Environment, report: dict):
+    """The graph with its order-dependent sums held, by control edges, to
+    the order the executor runs them in as the analysis emulates it
+    (sntf.graph.accumulations), before anything is planned on it: the
+    planner's own order edges then respect them.
+
+    TensorFlow orders a Grappler accumulator's additions by when its inputs
+    arrive, and no emulation of its executor is exact. With op determinism
+    on, a rewrite that moves those arrivals cannot promise TensorFlow's
+    bits, so such a graph goes back unchanged. Without it, the edges make
+    the rewritten graph's sums repeat under any thread pool.
+
+    Returns:
+      (GraphDef, its index, None), or (.., .., why the graph must go back
+      unchanged).
+    """
+    order = analysis.schedule(index, merged=merged_kernels(index)
+                              if _onednn(env, index) else None)
+    unordered = accumulations.accumulation_pins(index, order)
+    sums = {"accumulations": len(unordered), "pins": 0, "lost": [], "code": None}
+    report["order_dependent_sums"] = sums
+    if unordered and env.op_determinism:
+        sums["code"] = SUMS_UNPINNABLE
+        return graph_def, index, (
+            f"graph left unchanged: the additions of Grappler accumulator "
+            f"{unordered[0].sum_node!r} run in an order TensorFlow's executor picks "
+            "at run time, which a rewrite moves; with op determinism on, results "
+            "would not be TensorFlow's")
+    held = rewrite.pin_sums(graph_def, index, index, order)
+    sums["pins"] = len(held.pins)
+    return held.graph_def, held.index, None
+
+
+def _held_sums(rewritten, index, base: Analyzed, report: dict):
+    """The rewritten graph with the sums its new nodes could reorder held
+    to the order of the graph it was planned on, or None (with the note
+    saying why) where no edge can hold them."""
+    sums = report["order_dependent_sums"]
+    try:
+        held = rewrite.pin_sums(rewritten, index, base.index, base.facts.timeline.steps)
+    except graph.GraphError as e:
+        sums["code"] = SUMS_UNPINNABLE
+        return None, f"graph left unchanged: holding its sums in order failed: {e}"
+    sums["pins"] += len(held.pins)
+    sums["lost"] = list(held.lost)
+    if held.lost:
+        sums["code"] = SUMS_UNPINNABLE
+        return None, (f"graph left unchanged: the rewrite lets AddN {held.lost[0]!r} "
+                      "sum its inputs in another order")
+    return held.graph_def, None
 
 
 def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,

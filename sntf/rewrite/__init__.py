@@ -3,6 +3,7 @@
     apply     the plan's recipes and orders as new nodes and edges
     fusions   the node pairs oneDNN merged stay merged
     validate  the result indexes, is acyclic and keeps its fetch nodes
+    sums      the sums TensorFlow orders at run time keep the original's order
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from typing import Optional
 from sntf.analysis import Analyzed, analyze_graph
 from sntf.rewrite.apply import RewriteResult, apply_plan, set_cache_limits
 from sntf.rewrite.fusions import keep_merges, merged_pairs
+from sntf.rewrite.sums import PinnedSums, pin_sums
 from sntf.rewrite.validate import index_as, validate
 
-__all__ = ["RewriteResult", "apply_plan", "evaluator", "keep_merges", "set_cache_limits",
-           "validate"]
+__all__ = ["PinnedSums", "RewriteResult", "apply_plan", "evaluator", "keep_merges",
+           "pin_sums", "set_cache_limits", "validate"]
 
 
 def evaluator(threads: Optional[int], onednn: bool = False):

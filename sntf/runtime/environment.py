@@ -279,6 +279,18 @@ def inter_op_threads() -> Optional[int]:
         return None
 
 
+def op_determinism() -> bool:
+    """Whether TensorFlow's op determinism is on
+    (tf.config.experimental.enable_op_determinism or TF_DETERMINISTIC_OPS)."""
+    try:
+        # Public to set, not to read: enable_op_determinism's own module.
+        from tensorflow.python.framework import config as tf_config
+
+        return bool(tf_config.is_op_determinism_enabled())
+    except Exception:  # noqa: BLE001 - unreadable: the pass assumes it off
+        return False
+
+
 def current():
     """The Environment the pass runs in, in this process now."""
     from sntf.passes import Environment
@@ -291,4 +303,5 @@ def current():
                        allocator_limit=allocator_limit,
                        allocator_grows=allocator_grows,
                        xla_auto_jit=xla.auto_clustering_on(),
-                       inter_op_threads=inter_op_threads())
+                       inter_op_threads=inter_op_threads(),
+                       op_determinism=op_determinism())
