@@ -1,0 +1,70 @@
+"""Trains a deep pre-activation ResNet for a few steps in a fresh process and
+prints its losses, a digest of its weights and sntf's training report.
+
+    python preact_identity.py --blocks 30 --batch 32 --steps 3 --policy swap
+
+One process per configuration: the Grappler plugin cannot be unloaded. Op
+determinism is on and the step runs on one inter-op thread, so a run
+without sntf repeats bit for bit (docs/tensorflow.md).
+"""
+
+import argparse
+import hashlib
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--blocks", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--policy", default="none")
+    args = parser.parse_args()
+    import numpy as np
+    import tensorflow as tf
+
+    tf.config.experimental.enable_op_determinism()
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    if args.policy != "none":
+        import sntf
+
+        sntf.enable(policy=args.policy)
+    import keras
+    from keras import layers
+
+    keras.utils.set_random_seed(1234)
+    inp = keras.Input((32, 32, 3))
+    x = layers.Conv2D(16, 3, padding="same")(inp)
+    for _ in range(args.blocks):
+        h = layers.ReLU()(layers.BatchNormalization()(x))
+        h = layers.Conv2D(16, 3, padding="same")(h)
+        h = layers.ReLU()(layers.BatchNormalization()(h))
+        h = layers.Conv2D(16, 3, padding="same")(h)
+        x = layers.Add()([x, h])
+    out = layers.Dense(10)(layers.GlobalAveragePooling2D()(x))
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.SGD(0.001, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    r = np.random.RandomState(6)
+    xs = r.rand(args.batch, 32, 32, 3).astype("float32")
+    ys = r.randint(0, 10, args.batch)
+    losses = [float(model.train_on_batch(xs, ys)) for _ in range(args.steps)]
+    digest = hashlib.sha256(b"".join(np.asarray(w).tobytes()
+                                     for w in model.get_weights())).hexdigest()
+    report = {}
+    if args.policy != "none":
+        import sntf
+
+        training = [rep for rep in sntf.reports() if rep.get("training")]
+        if training:
+            report = {k: training[-1].get(k) for k in (
+                "action", "order_dependent_sums", "planned_peak_bytes",
+                "predicted_peak_bytes")}
+    print("RESULT " + json.dumps({"losses": losses, "digest": digest, "report": report}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Order-dependent sums: finding them, the decisions an order makes, and
+the edges that hold a rewritten graph to them (sntf.graph.accumulations,
+sntf.rewrite.sums), on hand-built graphs."""
+
+import pytest
+
+from graphs import DT_FLOAT, DT_RESOURCE, GraphBuilder
+from sntf import analysis, graph
+from sntf.graph import accumulations
+from sntf.rewrite import pin_sums
+
+
+def _accumulator():
+    """Grappler's memory-optimizer rewrite of AddN(a, b, c) (SchedulingPass):
+    a TemporaryVariable, zeros assigned, one unordered AssignAdd per input."""
+    b = GraphBuilder().arg("x")
+    for name in ("a", "b", "c"):
+        b.op("Relu", name, ["x"], T=DT_FLOAT)
+    b.op("TemporaryVariable", "s/tmp_var", ["^a"], dtype=DT_FLOAT)
+    b.op("ZerosLike", "s/tmp_var_zeros", ["a"], T=DT_FLOAT)
+    b.op("Assign", "s/tmp_var_initializer", ["s/tmp_var", "s/tmp_var_zeros"], T=DT_FLOAT)
+    for i, name in enumerate(("a", "b", "c")):
+        b.op("AssignAdd", f"s/tmp_var_accum_{i}", ["s/tmp_var_initializer", name],
+             T=DT_FLOAT)
+    b.op("DestroyTemporaryVariable", "s", ["s/tmp_var_initializer", "^s/tmp_var_accum_0",
+                                          "^s/tmp_var_accum_1", "^s/tmp_var_accum_2"],
+         T=DT_FLOAT)
+    return b.retval("out", "s").build()
+
+
+def _shared_addn():
+    """AddN(g, p, q) where g is also read by a filter gradient: the AddN
+    forwards g only if it runs after that reader (a residual block's input
+    gradient)."""
+    return (GraphBuilder().arg("x").arg("w", dtype=DT_RESOURCE)
+            .op("ReadVariableOp", "r", ["w"], dtype=DT_FLOAT)
+            .op("Relu", "g", ["x"], T=DT_FLOAT)
+            .op("MatMul", "dw", ["x", "g"], T=DT_FLOAT)
+            .op("Neg", "p", ["x"], T=DT_FLOAT)
+            .op("Neg", "q", ["r"], T=DT_FLOAT)
+            .op("AddN", "sum", ["g", "p", "q"], T=DT_FLOAT, N=3)
+            .retval("out", "sum").retval("out2", "dw", index=1).build())
+
+
+def _order(g, names):
+    """Node indices with `names` first, in that order, then the rest."""
+    first = [g.index[n] for n in names]
+    return first + [i for i in range(len(g.names)) if i not in first]
+
+
+def test_the_assign_adds_of_an_accumulator_are_one_group_behind_the_initializer():
+    g = graph.build_index(_accumulator())
+    assert accumulations.target_root(g, g.index["s/tmp_var_accum_1"]) == g.index["s/tmp_var"]
+    assert accumulations.accumulation_groups(g) == [
+        tuple(g.index[f"s/tmp_var_accum_{i}"] for i in range(3))]
+
+
+def test_accumulation_pins_chain_the_updates_in_the_given_order():
+    g = graph.build_index(_accumulator())
+    order = _order(g, ["x", "c", "a", "b", "s/tmp_var", "s/tmp_var_zeros",
+                       "s/tmp_var_initializer", "s/tmp_var_accum_2",
+                       "s/tmp_var_accum_0", "s/tmp_var_accum_1"])
+    pins = accumulations.accumulation_pins(g, order)
+    assert [(p.before, p.after) for p in pins] == [
+        ("s/tmp_var_accum_2", "s/tmp_var_accum_0"), ("s/tmp_var_accum_0", "s/tmp_var_accum_1")]
+    assert {p.sum_node for p in pins} == {"s/tmp_var"}
+
+
+def test_updates_already_in_order_need_no_pin():
+    g = graph.build_index(GraphBuilder().arg("v", dtype=DT_RESOURCE).arg("x")
+                          .op("AssignAddVariableOp", "u1", ["v", "x"], dtype=DT_FLOAT)
+                          .op("AssignAddVariableOp", "u2", ["v", "x", "^u1"], dtype=DT_FLOAT)
+                          .build())
+    assert len(accumulations.accumulation_groups(g)) == 1
+    assert accumulations.accumulation_pins(g, list(range(len(g.names)))) == []
+
+
+def test_addn_forwards_its_first_input_only_when_it_runs_after_that_inputs_readers():
+    g = graph.build_index(_shared_addn())
+    node = g.index["sum"]
+    late = _order(g, ["x", "w", "r", "g", "p", "q", "dw", "sum"])
+    early = _order(g, ["x", "w", "r", "g", "p", "q", "sum", "dw"])
+    assert accumulations.forwarded_slot(g, node, late) == 0
+    # Before the filter gradient, g is still held: the kernel forwards p
+    # and moves it to the front of the sum.
+    assert accumulations.forwarded_slot(g, node, early) == 1
+    assert accumulations.reordering_sums(g) == [node]
+
+
+def test_a_variables_value_is_never_forwarded():
+    g = graph.build_index(GraphBuilder().arg("w", dtype=DT_RESOURCE)
+                          .op("ReadVariableOp", "r", ["w"], dtype=DT_FLOAT)
+                          .op("Neg", "p", ["r"], T=DT_FLOAT)
+                          .op("AddN", "sum", ["r", "r", "p"], T=DT_FLOAT, N=3).build())
+    assert accumulations.forwarded_slot(g, g.index["sum"], range(len(g.names))) == 2
+
+
+@pytest.mark.parametrize("first, expected", [
+    ("dw", [("dw", "sum")]),         # the filter gradient ran first: it stays first
+    ("sum", [("sum", "dw")]),        # the sum ran first: the reader waits for it
+])
+def test_sum_pins_hold_a_rewritten_graph_to_the_original_decision(first, expected):
+    original = graph.build_index(_shared_addn())
+    rest = ["sum", "dw"] if first == "sum" else ["dw", "sum"]
+    order = _order(original, ["x", "w", "r", "g", "p", "q"] + rest)
+    pins, lost = accumulations.sum_pins(original, order, original)
+    assert lost == []
+    assert [(p.before, p.after) for p in pins if p.before in ("dw", "sum")
+            and p.after in ("dw", "sum")] == expected
+    held = pin_sums(_shared_addn(), original, original, order)
+    node = {n.name: n for n in held.graph_def.node}
+    waiting = "sum" if first == "dw" else "dw"
+    assert "^" + ("dw" if first == "dw" else "sum") in node[waiting].input
+    # The pinned graph's emulated order takes the same decision.
+    again = analysis.schedule(held.index)
+    assert accumulations.forwarded_slot(held.index, held.index.index["sum"], again) == (
+        0 if first == "dw" else 1)
+
+
+def test_a_sum_no_edge_can_hold_is_reported_lost():
+    original = graph.build_index(_shared_addn())
+    order = _order(original, ["x", "w", "r", "g", "p", "q", "sum", "dw"])
+    # A rewrite that gives the sum a copy of g with no other reader: the
+    # kernel would forward it, where the original forwarded p.
+    b = (GraphBuilder().arg("x").arg("w", dtype=DT_RESOURCE)
+         .op("ReadVariableOp", "r", ["w"], dtype=DT_FLOAT)
+         .op("Relu", "g", ["x"], T=DT_FLOAT)
+         .op("MatMul", "dw", ["x", "g"], T=DT_FLOAT)
+         .op("Relu", "g_clone", ["x"], T=DT_FLOAT)
+         .op("Neg", "p", ["x"], T=DT_FLOAT)
+         .op("Neg", "q", ["r"], T=DT_FLOAT)
+         .op("AddN", "sum", ["g_clone", "p", "q"], T=DT_FLOAT, N=3)
+         .retval("out", "sum").retval("out2", "dw", index=1).build())
+    _, lost = accumulations.sum_pins(original, order, graph.build_index(b))
+    assert lost == ["sum"]
