@@ -69,6 +69,10 @@ def new_report(name: str = "", nodes: int = 0) -> dict:
         # What holds the planned peak up: the bytes live there by kind, with
         # the largest buffers named (sntf.analysis.breakdown).
         "peak_breakdown": None,
+        # The sums TensorFlow orders at run time (sntf.graph.accumulations):
+        # {"accumulations", "pins", "lost", "code"}; code is
+        # "order_dependent_sum" where they kept the graph unchanged.
+        "order_dependent_sums": None,
     }
 
 

@@ -23,7 +23,8 @@ REPORT_KEYS = {"graph", "training", "nodes", "action", "reason", "policy",
                "error", "invocations", "batch", "analysis", "analysis_error", "stage_seconds",
                "cudnn_workspace_limit_mb", "budget_bytes", "budget_fits",
                "achievable_peak_bytes", "predicted_seconds_added", "batch_source",
-               "outside_bytes", "peak_breakdown", "cached_peak_bytes"}
+               "outside_bytes", "peak_breakdown", "cached_peak_bytes",
+               "order_dependent_sums"}
 OFF = config.State(enabled=True, policy="off")
 OFF_IDENTITY = config.State(enabled=True, policy="off",
                             options=config.Options(identity_rewrite=True))
@@ -250,7 +251,7 @@ def test_run_pass_is_deterministic():
     for report in (first.report, second.report):
         report.pop("pass_seconds")
         assert set(report.pop("stage_seconds")) == {"parse", "index", "detect",
-                                                    "rewrite"}
+                                                    "sums", "rewrite"}
     assert first.report == second.report
     assert first.graph_def == second.graph_def
 
