@@ -53,26 +53,9 @@ def verify_graphs(original_graph_def: Any, rewritten_graph_def: Any, inputs: Any
                   max_chunk_bytes: Union[int, str] = DEFAULT_CHUNK_BYTES,
                   check_repeat: bool = True) -> "VerifyResult":
     """Runs one step of two graphs from the same inputs and compares them bit
-    for bit; see sntf.verify.execute.verify_graphs, which this calls.
-
-    Args:
-      original_graph_def: the graph Grappler handed sntf (a report's
-        `original_graph` with keep_graphs=True): a GraphDef or its bytes.
-      rewritten_graph_def: the graph sntf handed back (`rewritten_graph`).
-      inputs: _Arg index -> value: the data arguments' arrays and, for each
-        DT_RESOURCE argument, the variable's value before the step.
-      variable_names: _Arg index -> a name for the report.
-      max_chunk_bytes: the most bytes of tensors one run fetches from one
-        graph: bytes or a size string ("256MiB").
-      check_repeat: on a difference, run the original graph again to tell
-        a rewrite's difference from a graph that does not repeat itself.
-
-    Returns:
-      A VerifyResult.
-
-    Raises:
-      ValueError: as sntf.verify.execute.verify_graphs.
-    """
+    for bit: sntf.verify.execute.verify_graphs, whose docstring gives the
+    arguments, the result and the errors. This wrapper keeps `import sntf`
+    from loading TensorFlow's Session machinery before it is used."""
     from sntf.verify import execute
 
     return execute.verify_graphs(original_graph_def, rewritten_graph_def, inputs,
