@@ -257,11 +257,14 @@ def _ordered_sums(graph_def, index, env: Environment, report: dict):
       (GraphDef, its index, None), or (.., .., why the graph must go back
       unchanged).
     """
+    sums = {"accumulations": 0, "pins": 0, "lost": [], "code": None}
+    report["order_dependent_sums"] = sums
+    if not (accumulations.accumulation_groups(index) or accumulations.reordering_sums(index)):
+        return graph_def, index, None
     order = analysis.schedule(index, merged=merged_kernels(index)
                               if _onednn(env, index) else None)
     unordered = accumulations.accumulation_pins(index, order)
-    sums = {"accumulations": len(unordered), "pins": 0, "lost": [], "code": None}
-    report["order_dependent_sums"] = sums
+    sums["accumulations"] = len(unordered)
     if unordered and env.op_determinism:
         sums["code"] = SUMS_UNPINNABLE
         return graph_def, index, (

@@ -133,3 +133,57 @@ def test_a_sum_no_edge_can_hold_is_reported_lost():
          .retval("out", "sum").retval("out2", "dw", index=1).build())
     _, lost = accumulations.sum_pins(original, order, graph.build_index(b))
     assert lost == ["sum"]
+
+
+def _step_with_accumulator():
+    """The dense step of graphs.mlp_step with a Grappler accumulator summing
+    three gradient terms of its last layer."""
+    from tensorflow.core.framework import graph_pb2
+
+    from graphs import mlp_step
+
+    graph_def, props = mlp_step()
+    extra = (GraphBuilder()
+             .op("Neg", "acc/b", ["grad/pre4"], T=DT_FLOAT)
+             .op("Relu", "acc/c", ["grad/pre4"], T=DT_FLOAT)
+             .op("TemporaryVariable", "acc/tmp_var", ["^grad/pre4"], dtype=DT_FLOAT)
+             .op("ZerosLike", "acc/tmp_var_zeros", ["grad/pre4"], T=DT_FLOAT)
+             .op("Assign", "acc/tmp_var_initializer", ["acc/tmp_var", "acc/tmp_var_zeros"],
+                 T=DT_FLOAT))
+    for i, term in enumerate(("grad/pre4", "acc/b", "acc/c")):
+        extra.op("AssignAdd", f"acc/tmp_var_accum_{i}", ["acc/tmp_var_initializer", term],
+                 T=DT_FLOAT)
+    extra.op("DestroyTemporaryVariable", "acc", ["acc/tmp_var_initializer"]
+             + [f"^acc/tmp_var_accum_{i}" for i in range(3)], T=DT_FLOAT)
+    merged = graph_pb2.GraphDef()
+    merged.CopyFrom(graph_def)
+    merged.node.extend(extra.build().node)
+    props = dict(props)
+    for node in extra.build().node:
+        props[node.name] = [(DT_FLOAT, (512, 128))]
+    return merged, props
+
+
+@pytest.mark.parametrize("determinism", [False, True])
+def test_a_graph_with_an_accumulator_is_pinned_or_left_unchanged_under_determinism(
+        determinism):
+    from graphs import properties_fn
+    from sntf import config, passes
+
+    graph_def, props = _step_with_accumulator()
+    state = config.State(enabled=True, policy="swap+recompute")
+    result = passes.run_pass(graph_def.SerializeToString(), ["ret"], [], state,
+                             properties_fn(props),
+                             passes.Environment(op_determinism=determinism))
+    sums = result.report["order_dependent_sums"]
+    assert sums["accumulations"] == 2      # three additions, two edges to order them
+    if determinism:
+        assert result.graph_def is None and result.report["action"] == "unchanged"
+        assert sums["code"] == passes.SUMS_UNPINNABLE
+        return
+    assert result.report["action"] == "rewritten" and sums["code"] is None
+    nodes = {n.name: n for n in result.graph_def.node}
+    waits = {name: [i[1:] for i in nodes[name].input if i.startswith("^acc/tmp_var_accum")]
+             for name in nodes if name.startswith("acc/tmp_var_accum")}
+    # A chain: one addition waits for none, each other for exactly one.
+    assert sorted(len(w) for w in waits.values()) == [0, 1, 1]

@@ -171,7 +171,11 @@ def forwarded_slot(g: GraphIndex, node: int, order: Sequence[int]) -> Optional[i
     Returns:
       The first forwardable input slot, or None when there is none.
     """
-    position = {n: k for k, n in enumerate(order)}
+    return _forwarded_slot(g, node, {n: k for k, n in enumerate(order)})
+
+
+def _forwarded_slot(g: GraphIndex, node: int, position: dict) -> Optional[int]:
+    """forwarded_slot, with `position` (node -> step) built once by the caller."""
     mine = position.get(node, len(position))
     ran_before = lambda h: position.get(h, len(position) + 1) < mine  # noqa: E731
     for slot in range(len(g.data_inputs[node])):
@@ -239,7 +243,7 @@ def sum_pins(original: GraphIndex, order: Sequence[int],
         name = original.names[node]
         if name not in rewritten.index:
             continue
-        chosen = forwarded_slot(original, node, order)
+        chosen = _forwarded_slot(original, node, position)
         mine = position.get(node, len(position))
         later = {original.names[h] for slot in range(len(original.data_inputs[node]))
                  for h in _holders(original, _buffer_root(original, original.data_inputs[node][slot]))
