@@ -18,8 +18,6 @@ from typing import Callable, Optional, Sequence
 from sntf import analysis, config, graph, planner, report as reports, rewrite
 from sntf.analysis import Analyzed, tensor_cache
 from sntf.analysis.breakdown import breakdown
-from sntf.graph import accumulations
-from sntf.graph.fusions import merged_kernels
 from sntf.graph.identity import graph_key
 from sntf.planner import budget as budget_planning
 from sntf.planner import device_limit, heuristics
@@ -193,11 +191,16 @@ def _run(graph_def, index, state: config.State, report: dict,
         return PassResult(None, report, deferred=True)
     original = graph_def
     with reports.timed(report, "sums"):
-        graph_def, index, refused = _ordered_sums(graph_def, index, env, report)
-    if refused is not None:
+        sums = rewrite.hold_before_planning(graph_def, index, _onednn(env, index),
+                                            env.op_determinism)
+    report["order_dependent_sums"] = sums.fields()
+    if sums.code is not None:
         report["action"] = UNCHANGED
-        report["reason"] = f"training graph ({why_training}); {refused}"
+        report["reason"] = f"training graph ({why_training}); {sums.note()}"
+        if state.options.keep_graphs:
+            report.update(original_graph=graph_def, rewritten_graph=graph_def)
         return PassResult(None, report)
+    graph_def, index = sums.graph_def, sums.index
     base = _analyze(graph_def, index, state, properties, env, report)
     # Resolved once per pass (a GPU graph's fraction asks for the GPU's memory).
     budget = _budget_bytes(state, index, env)
@@ -210,9 +213,13 @@ def _run(graph_def, index, state: config.State, report: dict,
     plan = _record_plan(outcome, base, budget, report)
     if rewritten is not None:
         with reports.timed(report, "sums"):
-            rewritten, refused = _held_sums(rewritten, outcome.planned.index, base, report)
-        if refused is not None:
-            plan = dataclasses.replace(plan, notes=plan.notes + (refused,))
+            sums = rewrite.hold_after_planning(
+                rewritten, outcome.planned.index, base.index, base.facts.timeline.steps,
+                _onednn(env, index), sums)
+        report["order_dependent_sums"] = sums.fields()
+        rewritten = sums.graph_def if sums.code is None else None
+        if rewritten is None:
+            plan = dataclasses.replace(plan, notes=plan.notes + (sums.note(),))
             report.update(planned_peak_bytes=report.get("predicted_peak_bytes"),
                           swapped=[], recomputed=[])
     graph_def = original
@@ -235,65 +242,6 @@ def _run(graph_def, index, state: config.State, report: dict,
         report["action"] = UNCHANGED
         report["reason"] = f"training graph ({why_training}); " + "; ".join(plan.notes)
     return result
-
-
-# Why a rewritten graph goes back unchanged under op determinism.
-SUMS_UNPINNABLE = "order_dependent_sum"
-
-
-def _ordered_sums(graph_def, index, env: Environment, report: dict):
-    """The graph with its order-dependent sums held, by control edges, to
-    the order the executor runs them in as the analysis emulates it
-    (sntf.graph.accumulations), before anything is planned on it: the
-    planner's own order edges then respect them.
-
-    TensorFlow orders a Grappler accumulator's additions by when its inputs
-    arrive, and no emulation of its executor is exact. With op determinism
-    on, a rewrite that moves those arrivals cannot promise TensorFlow's
-    bits, so such a graph goes back unchanged. Without it, the edges make
-    the rewritten graph's sums repeat under any thread pool.
-
-    Returns:
-      (GraphDef, its index, None), or (.., .., why the graph must go back
-      unchanged).
-    """
-    sums = {"accumulations": 0, "pins": 0, "lost": [], "code": None}
-    report["order_dependent_sums"] = sums
-    if not (accumulations.accumulation_groups(index) or accumulations.reordering_sums(index)):
-        return graph_def, index, None
-    order = analysis.schedule(index, merged=merged_kernels(index)
-                              if _onednn(env, index) else None)
-    unordered = accumulations.accumulation_pins(index, order)
-    sums["accumulations"] = len(unordered)
-    if unordered and env.op_determinism:
-        sums["code"] = SUMS_UNPINNABLE
-        return graph_def, index, (
-            f"graph left unchanged: the additions of Grappler accumulator "
-            f"{unordered[0].sum_node!r} run in an order TensorFlow's executor picks "
-            "at run time, which a rewrite moves; with op determinism on, results "
-            "would not be TensorFlow's")
-    held = rewrite.pin_sums(graph_def, index, index, order)
-    sums["pins"] = len(held.pins)
-    return held.graph_def, held.index, None
-
-
-def _held_sums(rewritten, index, base: Analyzed, report: dict):
-    """The rewritten graph with the sums its new nodes could reorder held
-    to the order of the graph it was planned on, or None (with the note
-    saying why) where no edge can hold them."""
-    sums = report["order_dependent_sums"]
-    try:
-        held = rewrite.pin_sums(rewritten, index, base.index, base.facts.timeline.steps)
-    except graph.GraphError as e:
-        sums["code"] = SUMS_UNPINNABLE
-        return None, f"graph left unchanged: holding its sums in order failed: {e}"
-    sums["pins"] += len(held.pins)
-    sums["lost"] = list(held.lost)
-    if held.lost:
-        sums["code"] = SUMS_UNPINNABLE
-        return None, (f"graph left unchanged: the rewrite lets AddN {held.lost[0]!r} "
-                      "sum its inputs in another order")
-    return held.graph_def, None
 
 
 def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,

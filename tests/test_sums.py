@@ -4,10 +4,11 @@ sntf.rewrite.sums), on hand-built graphs."""
 
 import pytest
 
-from graphs import DT_FLOAT, DT_RESOURCE, GraphBuilder
+from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder
 from sntf import analysis, graph
 from sntf.graph import accumulations
 from sntf.rewrite import pin_sums
+from sntf.rewrite import sums as sums_stage
 
 
 def _accumulator():
@@ -179,7 +180,7 @@ def test_a_graph_with_an_accumulator_is_pinned_or_left_unchanged_under_determini
     assert sums["accumulations"] == 2      # three additions, two edges to order them
     if determinism:
         assert result.graph_def is None and result.report["action"] == "unchanged"
-        assert sums["code"] == passes.SUMS_UNPINNABLE
+        assert sums["code"] == sums_stage.UNPINNABLE
         return
     assert result.report["action"] == "rewritten" and sums["code"] is None
     nodes = {n.name: n for n in result.graph_def.node}
@@ -187,3 +188,29 @@ def test_a_graph_with_an_accumulator_is_pinned_or_left_unchanged_under_determini
              for name in nodes if name.startswith("acc/tmp_var_accum")}
     # A chain: one addition waits for none, each other for exactly one.
     assert sorted(len(w) for w in waits.values()) == [0, 1, 1]
+
+
+def test_an_edge_to_a_merged_filter_gradient_is_given_to_its_bias_gradient_too():
+    """oneDNN merges Conv2DBackpropFilter and BiasAddGrad of one output
+    gradient only where both have the same control inputs; an edge that
+    makes the filter gradient wait for the sum must reach the bias gradient
+    too, or the pair runs unmerged and its bits change."""
+    def build():
+        return (GraphBuilder().arg("x")
+                .const("sizes", [3, 3, 4, 4], DT_INT32)
+                .op("Relu", "g", ["x"], T=DT_FLOAT)
+                .op("Conv2DBackpropFilter", "dw", ["x", "sizes", "g"], T=DT_FLOAT)
+                .op("BiasAddGrad", "db", ["g"], T=DT_FLOAT)
+                .op("Neg", "p", ["x"], T=DT_FLOAT)
+                .op("Neg", "q", ["x"], T=DT_FLOAT)
+                .op("AddN", "sum", ["g", "p", "q"], T=DT_FLOAT, N=3)
+                .retval("out", "sum").retval("out2", "dw", index=1)
+                .retval("out3", "db", index=2).build())
+
+    original = graph.build_index(build())
+    order = _order(original, ["x", "sizes", "g", "p", "q", "sum", "dw", "db"])
+    for onednn, both in ((False, False), (True, True)):
+        held = pin_sums(build(), original, original, order, onednn=onednn)
+        node = {n.name: n for n in held.graph_def.node}
+        assert "^sum" in node["dw"].input or "^sum" in node["db"].input
+        assert ("^sum" in node["dw"].input and "^sum" in node["db"].input) == both

@@ -13,11 +13,13 @@ from typing import Optional
 from sntf.analysis import Analyzed, analyze_graph
 from sntf.rewrite.apply import RewriteResult, apply_plan, set_cache_limits
 from sntf.rewrite.fusions import keep_merges, merged_pairs
-from sntf.rewrite.sums import PinnedSums, pin_sums
+from sntf.rewrite.sums import (PinnedSums, SumsOutcome, hold_after_planning,
+                               hold_before_planning, pin_sums)
 from sntf.rewrite.validate import index_as, validate
 
-__all__ = ["PinnedSums", "RewriteResult", "apply_plan", "evaluator", "keep_merges",
-           "pin_sums", "set_cache_limits", "validate"]
+__all__ = ["PinnedSums", "RewriteResult", "SumsOutcome", "apply_plan", "evaluator",
+           "hold_after_planning", "hold_before_planning", "keep_merges", "pin_sums",
+           "set_cache_limits", "validate"]
 
 
 def evaluator(threads: Optional[int], onednn: bool = False):
