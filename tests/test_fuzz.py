@@ -19,11 +19,26 @@ import json
 
 import pytest
 
+from sntf.testing import fuzz_cases
 
 CI_CASES = 200
 
 # Cases the fuzzer found, kept as regression tests (replayed one by one):
 REGRESSIONS = {
+    # Thirty residual conv blocks: an edge holding an AddN's sum in the
+    # original's order (sntf.rewrite.sums) made a filter gradient wait and
+    # left its bias gradient alone, so oneDNN ran the pair unmerged and a
+    # bias gradient changed in its last bits. Both now get the edge.
+    "sum order edge split a merged filter and bias gradient":
+    {"kind": "conv", "hw": 8, "dims": [4, 6, 3],
+     "layers": [{"op": "linear", "inputs": [0], "device": 0, "units": 6, "act": "relu",
+                 "kernel": 3},
+                {"op": "linear", "inputs": [1], "device": 0, "units": 3, "act": "none",
+                 "kernel": 1}],
+     "extra_loss": None, "batch": 8, "unknown_batch": False, "two_devices": False,
+     "guarded_update": False, "policy": "swap+recompute", "recompute_mode": "auto",
+     "budget": None, "swap_min_bytes": 0, "batch_size_option": True, "seed": 3,
+     "loop": 0, "writer": "sub", "residual_blocks": 30},
     # Memory-centric recomputation in segments re-ran a Conv2D -> BiasAdd
     # pair from the convolution's kept input, holding the cloned Conv2D
     # back by a control edge, which oneDNN's merge of the pair refuses: the
@@ -410,6 +425,23 @@ def test_random_training_graphs_are_rewritten_correctly(fresh_python):
         assert counts.get(f"rewritten, {shape}", 0) >= 2, (shape, counts)
     # Steps inside a tf.while_loop (Keras' steps_per_execution).
     assert counts.get("rewritten, step in a loop", 0) >= 2, counts
+    # Deep residual chains are drawn here too (test_deep_residual_chains_...
+    # rewrites them); next to small layers they often leave nothing to plan.
+    assert counts.get(f"drawn, {fuzz_cases.DEEP_BLOCKS}+ residual blocks", 0) >= 10, counts
+
+
+@pytest.mark.slow
+def test_deep_residual_chains_are_rewritten_correctly(fresh_python):
+    """Every case ends in 30 or more residual blocks, where TensorFlow sums
+    gradients in an order it decides as it runs (sntf.graph.accumulations)."""
+    rc, result, output = _tool(fresh_python, "--cases", "16", "--seed", "7", "--deep",
+                               "--mode", "strict", "--timeout", "90")
+    assert rc == 0 and result["failures"] == 0, output[-6000:]
+    counts = result["counts"]
+    deep = f"{fuzz_cases.DEEP_BLOCKS}+ residual blocks"
+    assert counts[f"drawn, {deep}"] == result["cases"] == 16, counts
+    assert counts.get(f"rewritten, {deep}", 0) >= 4, counts
+    assert counts.get("with swaps", 0) >= 2, counts
 
 
 # Two transposed convolutions around a convolution. Before the forward

@@ -3,6 +3,7 @@
     python benchmarks/fuzz_pass.py [--cases 1000] [--seed 0] [--mode count|strict]
                                    [--policies recompute,swap,swap+recompute]
                                    [--replay SPEC_JSON] [--inject_fault] [--timeout S]
+                                   [--deep]
     python -m sntf.testing.fuzz ...        (the same)
 
 Each case is a random training step: a DAG of dense or conv layers,
@@ -13,7 +14,10 @@ its layers on one or two logical CPU devices, trained for two SGD steps
 (the update applied directly or under a tf.cond on finite gradients) in
 a tf.function that returns the loss, the output and every gradient; in a
 quarter of the cases each call runs the step twice inside a
-tf.while_loop, as Keras' steps_per_execution does. The
+tf.while_loop, as Keras' steps_per_execution does. One case in seven
+(every case with --deep) ends in 30 or more pre-activation residual blocks
+of its own width, where TensorFlow sums gradients in an order it decides as
+it runs (sntf.graph.accumulations); the summary counts them. The
 same case is built twice in this one process: once with sntf disabled (the
 reference) and once with a random policy ("recompute", "swap",
 "swap+recompute"), recompute_mode (speed, memory, auto), budget (none, tiny,
@@ -46,7 +50,6 @@ catch a wrong rewrite.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import sys
@@ -55,6 +58,7 @@ import traceback
 from typing import Any, Optional
 
 from sntf.testing.fuzz_cases import DEVICES, POLICIES, build, case_specs, inputs
+from sntf.testing.fuzz_tally import Tally
 
 # ----------------------------------------------------------------- checking
 
@@ -324,80 +328,9 @@ def _corrupt(graph_def) -> None:
 # ------------------------------------------------------------------ running
 
 
-class Tally:
-    """Counts over a run."""
-
-    def __init__(self):
-        self.cases = 0
-        self.counts = collections.Counter()
-        self.passed = collections.Counter()
-        self.failures: list = []
-        self.examples: dict = {}
-        self.seconds = 0.0
-
-    def add(self, spec: dict, outcome: dict, seconds: float) -> None:
-        self.cases += 1
-        self.seconds += seconds
-        c = self.counts
-        c["graphs_checked"] += outcome["graphs"]
-        if outcome.get("reference_error"):
-            c["TensorFlow alone failed"] += 1
-            self.examples.setdefault("TensorFlow alone failed", spec)
-        c[f"policy {spec['policy']}"] += 1
-        if outcome["rewritten"] and spec["two_devices"]:
-            self.examples.setdefault("rewritten, two devices", spec)   # to replay
-        if outcome["rewritten"]:
-            c["rewritten"] += 1
-            c[f"rewritten, policy {spec['policy']}"] += 1
-            c["rewritten, unknown batch"] += spec["unknown_batch"]
-            c["rewritten, two devices"] += spec["two_devices"]
-            c["rewritten, with budget"] += spec["budget"] is not None
-            c["rewritten, update under tf.cond"] += bool(spec.get("guarded_update"))
-            ops = {layer["op"] for layer in spec["layers"]}
-            acts = {layer.get("act") for layer in spec["layers"]}
-            c["rewritten, tf.cond layer"] += "cond" in ops
-            c["rewritten, step in a loop"] += bool(spec.get("loop"))
-            # The shapes of the zoo's networks, each counted where it was
-            # rewritten: a run that never rewrites one has not tested it.
-            for op in ("gate", "layernorm", "softmax", "tied", "deconv", "causal"):
-                c[f"rewritten, {op}"] += op in ops
-            c["rewritten, gelu or swish"] += bool(acts & {"gelu", "swish"})
-        c["with swaps"] += outcome["swapped"] > 0
-        c["with recomputations"] += outcome["recomputed"] > 0
-        c["with backward rebuilds"] += outcome["rebuilt"] > 0
-        c["with cache ops"] += outcome["cache_ops"]
-        c["tensors swapped"] += outcome["swapped"]
-        c["tensors recomputed"] += outcome["recomputed"]
-        for reason in outcome["passed"]:
-            self.passed[_reason_kind(reason)] += 1
-        if outcome["problems"]:
-            c["failures"] += 1
-            if len(self.failures) < 10:
-                self.failures.append({"spec": spec, "problems": outcome["problems"]})
-
-    def summary(self) -> dict:
-        return {"cases": self.cases, "failures": self.counts["failures"],
-                "rewritten": self.counts["rewritten"], "counts": dict(self.counts),
-                "passed_through": dict(self.passed), "seconds": self.seconds,
-                "failed_specs": self.failures, "examples": self.examples}
-
-
-def _reason_kind(reason: str) -> str:
-    """A training report's reason without the graph-specific part."""
-    tail = reason.split("); ", 1)[-1]
-    # Most specific first: a step in a loop carries "planned within it"
-    # beside the reason nothing was done.
-    for word in ("would not fall", "nothing to recompute", "already rewritten",
-                 "0 tensor(s)", "plan crosses devices", "deferred to Grappler",
-                 "control flow present", "planned within it"):
-        if word in tail:
-            return word
-    return tail[:60]
-
-
 def run(cases: int, seed: int, policies=POLICIES, mode: str = "count",
         inject_fault: bool = False, progress: bool = True,
-        timeout: float = 120.0) -> Tally:
+        timeout: float = 120.0, deep: bool = False) -> Tally:
     """Runs `cases` hypothesis-generated cases in this process."""
     import hypothesis
     from hypothesis import HealthCheck, Phase, given, settings
@@ -408,7 +341,7 @@ def run(cases: int, seed: int, policies=POLICIES, mode: str = "count",
 
     @settings(max_examples=cases, deadline=None, database=None, phases=phases,
               suppress_health_check=list(HealthCheck), print_blob=False)
-    @given(case_specs(policies))
+    @given(case_specs(policies, deep))
     def fuzz(spec):
         start = time.perf_counter()
         outcome = harness.run_case(spec, timeout=timeout)
@@ -456,6 +389,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     flags.DEFINE_bool("inject_fault", False, "corrupt every rewritten graph",
                       flag_values=fv)
     flags.DEFINE_bool("quiet", False, "no progress lines", flag_values=fv)
+    flags.DEFINE_bool("deep", False, "every case ends in 30 or more residual blocks",
+                      flag_values=fv)
     flags.DEFINE_float("timeout", 120.0, "seconds before a case counts as hung (exit 3)",
                        flag_values=fv)
     fv(list(sys.argv if argv is None else argv))
@@ -469,7 +404,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     policies = tuple(p for p in fv.policies.split(",") if p)
     try:
         tally = run(fv.cases, fv.seed, policies, fv.mode, fv.inject_fault,
-                    progress=not fv.quiet, timeout=fv.timeout)
+                    progress=not fv.quiet, timeout=fv.timeout, deep=fv.deep)
         failed = None
     except Exception as e:  # noqa: BLE001 - strict mode: hypothesis re-raises
         tally, failed = None, e

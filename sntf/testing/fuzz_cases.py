@@ -32,11 +32,27 @@ MAX_WIDTH = 48            # concatenations stop growing the feature axis here
 # see each as a training step.
 WRITERS = ("sub", "accumulate", "assign", "scatter", "apply")
 DEVICES = ("/device:CPU:0", "/device:CPU:1")
+# Deep cases: this many pre-activation residual blocks (norm, relu, linear,
+# add) or more before the head. TensorFlow changes how it sums gradients
+# in deep networks (Grappler's accumulators), which shallow cases never
+# reach; drawn in one case of seven.
+DEEP_BLOCKS = 30
+RESIDUAL_BLOCKS = (0,) * 12 + (DEEP_BLOCKS, DEEP_BLOCKS + 8)
+# Their width, whatever the drawn layers' (a projection leads into them):
+# a chain of one-feature tensors would leave nothing to plan.
+RESIDUAL_WIDTHS = (8, 16)
 LEARNING_RATE = 0.05
 
 
-def case_specs(policies=POLICIES):
-    """A hypothesis strategy of case specs: plain JSON-able dicts."""
+def case_specs(policies=POLICIES, deep: bool = False):
+    """A hypothesis strategy of case specs: plain JSON-able dicts.
+
+    Args:
+      policies: the policies cases draw from.
+      deep: every case ends in DEEP_BLOCKS residual blocks or more (else
+        one in seven does).
+    """
+    blocks = RESIDUAL_BLOCKS[-2:] if deep else RESIDUAL_BLOCKS
     from hypothesis import strategies as st
 
     @st.composite
@@ -76,6 +92,9 @@ def case_specs(policies=POLICIES):
             "loop": draw(st.sampled_from((0, 0, 0, 2))),
             # Drawn after "loop" for the same reason; SGD half the time.
             "writer": draw(st.sampled_from(("sub",) * (len(WRITERS) - 1) + WRITERS[1:])),
+            # Drawn last for the same reason (see with_residual_blocks).
+            "residual_blocks": draw(st.sampled_from(blocks)),
+            "residual_width": draw(st.sampled_from(RESIDUAL_WIDTHS)),
         }
 
     return spec()
@@ -158,6 +177,52 @@ def _draw_layer(draw, st, kind: str, layer: dict, dims: list, earlier: list) -> 
         dims.append(dims[i])
 
 
+def with_residual_blocks(spec: dict) -> dict:
+    """The spec with its residual blocks spelled out as layers.
+
+    A linear projection to spec["residual_width"] features, then
+    spec["residual_blocks"] pre-activation blocks (norm, relu, a linear
+    layer of the same width, and the sum with the block's input), go
+    between the drawn layers and the head, which then reads the last block.
+
+    Args:
+      spec: a case spec.
+
+    Returns:
+      A new spec (the spec itself when it has no blocks).
+    """
+    blocks = spec.get("residual_blocks", 0)
+    if not blocks:
+        return spec
+    layers = [dict(layer) for layer in spec["layers"]]
+    head = layers.pop()
+    dims = list(spec["dims"][:-1])
+    current, device = head["inputs"][0], head["device"]
+    width = spec.get("residual_width", dims[current])
+    projection = {"op": "linear", "inputs": [current], "units": width, "act": "none",
+                  "device": device}
+    if spec["kind"] == "conv":
+        projection["kernel"] = 1
+    layers.append(projection)
+    dims.append(width)
+    current = len(dims) - 1
+    for _ in range(blocks):
+        block_input = current
+        for layer in ({"op": "norm"}, {"op": "act", "act": "relu"},
+                      {"op": "linear", "units": width, "act": "none"}):
+            if layer["op"] == "linear" and spec["kind"] == "conv":
+                layer["kernel"] = 3
+            layers.append(dict(layer, inputs=[current], device=device))
+            dims.append(width)
+            current = len(dims) - 1
+        layers.append({"op": "add", "inputs": [block_input, current], "device": device})
+        dims.append(width)
+        current = len(dims) - 1
+    layers.append(dict(head, inputs=[current]))
+    dims.append(head["units"])
+    return dict(spec, layers=layers, dims=dims, residual_blocks=0)
+
+
 def build(spec: dict, tf):
     """The case's variables and its tf.function training step.
 
@@ -167,6 +232,7 @@ def build(spec: dict, tf):
       of the last; variables are the weights, then the accumulators the
       step writes where spec["writer"] (default "sub") accumulates.
     """
+    spec = with_residual_blocks(spec)
     conv = spec["kind"] == "conv"
     variables, params = _parameters(spec, tf)
     writer = spec.get("writer", "sub")

@@ -1,0 +1,83 @@
+"""What a fuzz run counts: per case, what was drawn and what the pass did
+with it, so that a run which never reaches a shape of network cannot pass
+for one that tested it (sntf.testing.fuzz)."""
+
+from __future__ import annotations
+
+import collections
+
+from sntf.testing.fuzz_cases import DEEP_BLOCKS
+
+
+class Tally:
+    """Counts over a run."""
+
+    def __init__(self):
+        self.cases = 0
+        self.counts = collections.Counter()
+        self.passed = collections.Counter()
+        self.failures: list = []
+        self.examples: dict = {}
+        self.seconds = 0.0
+
+    def add(self, spec: dict, outcome: dict, seconds: float) -> None:
+        self.cases += 1
+        self.seconds += seconds
+        c = self.counts
+        c["graphs_checked"] += outcome["graphs"]
+        if outcome.get("reference_error"):
+            c["TensorFlow alone failed"] += 1
+            self.examples.setdefault("TensorFlow alone failed", spec)
+        c[f"policy {spec['policy']}"] += 1
+        c[f"drawn, {DEEP_BLOCKS}+ residual blocks"] += spec.get("residual_blocks", 0) >= DEEP_BLOCKS
+        if outcome["rewritten"] and spec["two_devices"]:
+            self.examples.setdefault("rewritten, two devices", spec)   # to replay
+        if outcome["rewritten"]:
+            c["rewritten"] += 1
+            c[f"rewritten, policy {spec['policy']}"] += 1
+            c["rewritten, unknown batch"] += spec["unknown_batch"]
+            c["rewritten, two devices"] += spec["two_devices"]
+            c["rewritten, with budget"] += spec["budget"] is not None
+            c["rewritten, update under tf.cond"] += bool(spec.get("guarded_update"))
+            ops = {layer["op"] for layer in spec["layers"]}
+            acts = {layer.get("act") for layer in spec["layers"]}
+            c["rewritten, tf.cond layer"] += "cond" in ops
+            c["rewritten, step in a loop"] += bool(spec.get("loop"))
+            # The shapes of the zoo's networks, each counted where it was
+            # rewritten: a run that never rewrites one has not tested it.
+            for op in ("gate", "layernorm", "softmax", "tied", "deconv", "causal"):
+                c[f"rewritten, {op}"] += op in ops
+            c["rewritten, gelu or swish"] += bool(acts & {"gelu", "swish"})
+            c[f"rewritten, {DEEP_BLOCKS}+ residual blocks"] += (
+                spec.get("residual_blocks", 0) >= DEEP_BLOCKS)
+        c["with swaps"] += outcome["swapped"] > 0
+        c["with recomputations"] += outcome["recomputed"] > 0
+        c["with backward rebuilds"] += outcome["rebuilt"] > 0
+        c["with cache ops"] += outcome["cache_ops"]
+        c["tensors swapped"] += outcome["swapped"]
+        c["tensors recomputed"] += outcome["recomputed"]
+        for reason in outcome["passed"]:
+            self.passed[_reason_kind(reason)] += 1
+        if outcome["problems"]:
+            c["failures"] += 1
+            if len(self.failures) < 10:
+                self.failures.append({"spec": spec, "problems": outcome["problems"]})
+
+    def summary(self) -> dict:
+        return {"cases": self.cases, "failures": self.counts["failures"],
+                "rewritten": self.counts["rewritten"], "counts": dict(self.counts),
+                "passed_through": dict(self.passed), "seconds": self.seconds,
+                "failed_specs": self.failures, "examples": self.examples}
+
+
+def _reason_kind(reason: str) -> str:
+    """A training report's reason without the graph-specific part."""
+    tail = reason.split("); ", 1)[-1]
+    # Most specific first: a step in a loop carries "planned within it"
+    # beside the reason nothing was done.
+    for word in ("would not fall", "nothing to recompute", "already rewritten",
+                 "0 tensor(s)", "plan crosses devices", "deferred to Grappler",
+                 "control flow present", "planned within it"):
+        if word in tail:
+            return word
+    return tail[:60]
