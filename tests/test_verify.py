@@ -12,6 +12,7 @@ import pytest
 
 from conftest import REPO, run_python
 from sntf.verify import core
+from sntf.verify import result as verify_result
 from sntf.verify.core import CLONE, SWAP_IN, SWAP_OUT, TENSOR, Node, Pair
 
 F = ("float32",)
@@ -166,25 +167,25 @@ def test_input_rows_show_a_ref_input_through_its_writers():
     original, rewritten = _original(), _rewritten()
     match = core.correspond(original, rewritten)
     total = next(p for p in match.pairs if p.original == "sum:0")
-    assert core.input_rows(total, original, rewritten) == [
+    assert verify_result.input_rows(total, original, rewritten) == [
         (0, "acc:0", "acc:0", ""), (-1, "mul:0", "mul:0", "acc/add (AssignAdd)")]
     grad = next(p for p in match.pairs if p.original == "grad:0")
-    assert core.input_rows(grad, original, rewritten) == [
+    assert verify_result.input_rows(grad, original, rewritten) == [
         (0, "sum:0", "sum:0", ""), (1, "relu:0", CLONE_NAME + ":0", "")]
     swap_in = next(p for p in match.pairs if p.kind == SWAP_IN)
-    assert core.input_rows(swap_in, original, rewritten) == [
+    assert verify_result.input_rows(swap_in, original, rewritten) == [
         (0, "mul:0", SWAP_OUT_NAME + ":0", "")]
 
 
 def test_report_text_names_the_op_and_its_inputs():
-    result = core.VerifyResult(
+    result = verify_result.VerifyResult(
         verdict=core.DIFFERENT, first_op="AddN_1", first_op_type="DestroyTemporaryVariable",
         first_tensor="AddN_1:0", first_original_tensor="AddN_1:0", first_kind=TENSOR,
         first_digests=("ab" * 32, "cd" * 32),
-        inputs=(core.InputDigest(0, "t:0", "t:0", None, None, note="(ref, not fetched)"),
-                core.InputDigest(-1, "g:0", "g:0", "12" * 32, "12" * 32,
+        inputs=(verify_result.InputDigest(0, "t:0", "t:0", None, None, note="(ref, not fetched)"),
+                verify_result.InputDigest(-1, "g:0", "g:0", "12" * 32, "12" * 32,
                                  via="AddN_1/tmp_var_accum_0 (AssignAdd)"),
-                core.InputDigest(1, "a:0", "b:0", "12" * 32, "34" * 32)),
+                verify_result.InputDigest(1, "a:0", "b:0", "12" * 32, "34" * 32)),
         first_variable="dense/kernel", variables_compared=4, variables_differing=2,
         tensors_compared=10, tensors_total=30, clones_compared=1, swap_ins_compared=2,
         chunks_run=1, chunks_total=3, runs=7, graph="train step of 'm'", policy="swap",

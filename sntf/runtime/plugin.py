@@ -237,18 +237,8 @@ def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
             return None
         later = (pending is not None and pending[0] == _generation
                  and pending[1] == tuple(fetch))
-        # The pass allocates hundreds of thousands of small objects on large
-        # graphs; Python's cyclic GC then rescans the whole heap again and
-        # again (a 45k-node graph took 4 s instead of 1.3). Nothing the pass
-        # builds needs the cycle collector while it runs.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            result = passes.run_pass(graph_bytes, fetch, preserve, state, properties,
-                                     environment.current(), defer=not later)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
+        result = _run_without_gc(graph_bytes, fetch, preserve, state, properties,
+                                 defer=not later)
         report = result.report
         _name_graph(report, graph_bytes)
         for warning in result.warnings:
@@ -282,16 +272,37 @@ def _optimize(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
                        "the interrupt passed on", type(e).__name__)
         raise
     except Exception as e:  # noqa: BLE001 - a failed pass leaves the graph unchanged
-        try:
-            report = report_schema.new_report()
-            report["action"] = report_schema.ERROR
-            report["reason"] = f"{type(e).__name__}: {e}"
-            _log_once(report["reason"], "graph pass failed, graph left "
-                      f"unchanged: {report['reason']}")
-            _record(report, None, config.current().options.max_reports)
-        except Exception:  # noqa: BLE001
-            pass
+        _record_failure(e)
         return None
+
+
+def _run_without_gc(graph_bytes: bytes, fetch, preserve, state, properties, defer: bool):
+    """passes.run_pass with Python's cyclic GC off.
+
+    The pass allocates hundreds of thousands of small objects on large
+    graphs; the cyclic GC then rescans the whole heap again and again.
+    Nothing the pass builds needs the cycle collector while it runs."""
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return passes.run_pass(graph_bytes, fetch, preserve, state, properties,
+                               environment.current(), defer=defer)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _record_failure(error: Exception) -> None:
+    """An error report for a call that failed outside the pass, logged once."""
+    try:
+        report = report_schema.new_report()
+        report["action"] = report_schema.ERROR
+        report["reason"] = f"{type(error).__name__}: {error}"
+        _log_once(report["reason"], "graph pass failed, graph left "
+                  f"unchanged: {report['reason']}")
+        _record(report, None, config.current().options.max_reports)
+    except Exception:  # noqa: BLE001 - nothing may escape into TensorFlow
+        pass
 
 
 def _exit_class(error: SystemExit) -> tuple[int, type]:

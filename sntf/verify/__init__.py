@@ -15,9 +15,10 @@ model's variables are as before the call when it returns, and sntf's switch
 is as the caller left it. docs/reference.md ("Checking the identity") says
 what it compares, what it costs and where it cannot look.
 
-The pure parts (which tensors correspond, their order, the chunks, the
-result and its text) are in sntf.verify.core; the Sessions in
-sntf.verify.execute. Import them as `from sntf.verify.core import ...`:
+The pure parts are in sntf.verify.core (which tensors correspond, their
+order, the chunks) and sntf.verify.result (the result and its text); the
+Sessions in sntf.verify.execute. Import them as
+`from sntf.verify.core import ...`:
 after `import sntf`, the attribute `sntf.verify` is this function, not
 this package.
 """
@@ -28,7 +29,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:
-    from sntf.verify.core import VerifyResult
+    from sntf.verify.result import VerifyResult
 
 __all__ = ["verify", "verify_graphs", "VerifyResult", "InputDigest", "IDENTICAL",
            "DIFFERENT", "NONDETERMINISTIC", "DEFAULT_CHUNK_BYTES"]
@@ -36,7 +37,7 @@ __all__ = ["verify", "verify_graphs", "VerifyResult", "InputDigest", "IDENTICAL"
 # `import sntf` imports this package, also at interpreter start through the
 # startup hook: numpy and the verifier's modules load on first use only.
 DEFAULT_CHUNK_BYTES = 256 << 20
-_LAZY = {"VerifyResult": "core", "InputDigest": "core", "IDENTICAL": "core",
+_LAZY = {"VerifyResult": "result", "InputDigest": "result", "IDENTICAL": "core",
          "DIFFERENT": "core", "NONDETERMINISTIC": "core"}
 
 
@@ -97,9 +98,8 @@ def verify(model: Any, x: Any, y: Any = None, sample_weight: Any = None,
       **options: sntf options (sntf.enable's); not given: those in force.
 
     Returns:
-      A VerifyResult: `.verdict` ("identical", "different",
-      "nondeterministic"), `.first_op` and its inputs' digests, the counts;
-      `str(result)` is the report.
+      A VerifyResult: `.verdict` ("identical", "different", "nondeterministic"),
+      `.first_op` and its inputs' digests, the counts; `str()` is the report.
 
     Raises:
       ValueError: a model that is not a compiled, built Keras model; a bad
@@ -120,9 +120,7 @@ def verify(model: Any, x: Any, y: Any = None, sample_weight: Any = None,
     sntf._validated(policy, budget, merged)
     import tensorflow as tf
 
-    data = (x,) if y is None and sample_weight is None else (
-        (x, y) if sample_weight is None else (x, y, sample_weight))
-    data = tf.nest.map_structure(tf.convert_to_tensor, data)
+    data = tf.nest.map_structure(tf.convert_to_tensor, _batch(x, y, sample_weight))
     optimizer = model.optimizer
     if not getattr(optimizer, "built", True):
         optimizer.build(model.trainable_variables)
@@ -139,15 +137,7 @@ def verify(model: Any, x: Any, y: Any = None, sample_weight: Any = None,
         config.set_state(saved)
         _restore(handles)
     report = _training_report(sntf.reports(), before)
-    n_data = len(concrete.inputs) - len(concrete.captured_inputs)
-    flat = [t.numpy() for t in tf.nest.flatten(data)]
-    inputs, labels = {}, {}
-    for k, value in enumerate(flat):
-        inputs[k] = value
-    for k, capture in enumerate(handles):
-        inputs[n_data + k] = capture.value
-        if capture.name:
-            labels[n_data + k] = capture.name
+    inputs, labels = _step_inputs(concrete, tf.nest.flatten(data), handles)
     result = verify_graphs(report["original_graph"], report["rewritten_graph"], inputs,
                            variable_names=labels, max_chunk_bytes=max_chunk_bytes)
     notes = result.notes
@@ -157,6 +147,26 @@ def verify(model: Any, x: Any, y: Any = None, sample_weight: Any = None,
     return dataclasses.replace(result, graph=f"train step of {model.name!r}",
                                policy=report.get("policy") or policy,
                                action=report.get("action") or "", notes=notes)
+
+
+def _batch(x: Any, y: Any, sample_weight: Any) -> tuple:
+    """The batch as train_step takes it: (x,), (x, y) or (x, y, sample_weight)."""
+    if y is None and sample_weight is None:
+        return (x,)
+    return (x, y) if sample_weight is None else (x, y, sample_weight)
+
+
+def _step_inputs(concrete: Any, tensors: list, handles: list) -> tuple[dict, dict]:
+    """(_Arg index -> value, _Arg index -> variable name): the batch's
+    tensors first, then each captured variable's value before the step."""
+    n_data = len(concrete.inputs) - len(concrete.captured_inputs)
+    inputs = {k: t.numpy() for k, t in enumerate(tensors)}
+    labels = {}
+    for k, capture in enumerate(handles):
+        inputs[n_data + k] = capture.value
+        if capture.name:
+            labels[n_data + k] = capture.name
+    return inputs, labels
 
 
 def _check_model(model: Any):

@@ -23,6 +23,7 @@ import numpy as np
 
 from sntf.graph import names
 from sntf.verify import DEFAULT_CHUNK_BYTES, core
+from sntf.verify import result as verify_result
 
 # The accepted forms, for error messages.
 GRAPH_FORMS = "a tf.compat.v1.GraphDef (or its serialized bytes)"
@@ -277,7 +278,7 @@ def _check_same_args(original: Mapping[int, ArgSpec], rewritten: Mapping[int, Ar
 def verify_graphs(original_graph_def: Any, rewritten_graph_def: Any, inputs: Mapping[int, Any],
                   variable_names: Optional[Mapping[int, str]] = None,
                   max_chunk_bytes: Union[int, str] = DEFAULT_CHUNK_BYTES,
-                  check_repeat: bool = True) -> core.VerifyResult:
+                  check_repeat: bool = True) -> verify_result.VerifyResult:
     """Runs one step of both graphs from the same inputs and compares them
     bit for bit: every tensor both compute, each recomputed clone against
     its source, each swapped-in (and parked) tensor against the tensor
@@ -332,7 +333,7 @@ def verify_graphs(original_graph_def: Any, rewritten_graph_def: Any, inputs: Map
 
 
 def _compare(runs: tuple, labels: Mapping[int, str], chunk_bytes: int, check_repeat: bool,
-             start: float) -> core.VerifyResult:
+             start: float) -> verify_result.VerifyResult:
     first, second = runs
     o_nodes, r_nodes = first.nodes(), second.nodes()
     match = core.correspond(o_nodes, r_nodes)
@@ -364,7 +365,7 @@ def _compare(runs: tuple, labels: Mapping[int, str], chunk_bytes: int, check_rep
         r_fetch = list(dict.fromkeys(p.rewritten for p in chunk))
         digests = (dict(zip(o_fetch, first.run(o_fetch)[0])),
                    dict(zip(r_fetch, second.run(r_fetch)[0])))
-        for kind, n in core.counted(chunk).items():
+        for kind, n in verify_result.counted(chunk).items():
             counts[kind] += n
         found = core.first_difference(chunk, *digests)
         if found is not None:
@@ -442,7 +443,7 @@ def _repeat_check(first: GraphRun, found: Optional[core.Pair], chunk: list, dige
 def _inputs(pair: core.Pair, runs: tuple, o_nodes: list, r_nodes: list) -> tuple:
     """The first differing op's inputs with their digests, from one more
     step of each graph that fetches just them."""
-    rows = core.input_rows(pair, o_nodes, r_nodes)
+    rows = verify_result.input_rows(pair, o_nodes, r_nodes)
     o_kinds = {n.name: n.outputs for n in o_nodes}
     r_kinds = {n.name: n.outputs for n in r_nodes}
 
@@ -468,7 +469,7 @@ def _inputs(pair: core.Pair, runs: tuple, o_nodes: list, r_nodes: list) -> tuple
         if o_why is not None and r_why is not None:
             note = (f"({o_why}, not fetched)" if o_why == r_why
                     else f"({o_why} | {r_why}, not fetched)")
-        out.append(core.InputDigest(
+        out.append(verify_result.InputDigest(
             slot, o_in, r_in,
             got[0][o_in].hex() if o_why is None else None,
             got[1][r_in].hex() if r_why is None else None, via, note))
@@ -476,7 +477,7 @@ def _inputs(pair: core.Pair, runs: tuple, o_nodes: list, r_nodes: list) -> tuple
 
 
 def _finish(verdict: str, fields: dict, notes: list, runs: tuple,
-            start: float) -> core.VerifyResult:
-    return core.VerifyResult(verdict=verdict, notes=tuple(notes),
+            start: float) -> verify_result.VerifyResult:
+    return verify_result.VerifyResult(verdict=verdict, notes=tuple(notes),
                              runs=sum(r.runs for r in runs),
                              seconds=time.perf_counter() - start, **fields)
