@@ -2,8 +2,11 @@
 
 A pre-activation ResNet deep enough that Grappler's memory optimizer turns
 its largest gradient sums into accumulators, whose additions TensorFlow
-orders at run time (sntf.graph.accumulations), and one shallower, where
-only the AddN kernel's forwarding decides the order of its sums."""
+orders at run time (sntf.graph.accumulations), and one shallower that is
+rewritten with its AddN sums held in order. (Whether each AddN forwards the
+input it forwards in TensorFlow's graph is checked on the corpus' graphs,
+tests/test_sums_corpus.py: on this network the rewrite leaves them so even
+without the edges.)"""
 
 import os
 
@@ -11,7 +14,7 @@ import pytest
 
 from conftest import REPO
 
-WORKER = os.path.join(REPO, "sntf", "testing", "workers", "preact_identity.py")
+WORKER = os.path.join(REPO, "sntf", "testing", "workers", "resnet_identity.py")
 POLICIES = ("swap", "recompute", "swap+recompute")
 
 

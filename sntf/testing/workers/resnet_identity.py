@@ -1,7 +1,11 @@
-"""Trains a deep pre-activation ResNet for a few steps in a fresh process and
-prints its losses, a digest of its weights and sntf's training report.
+"""Trains a deep ResNet for a few steps in a fresh process and prints its
+losses, a digest of its weights and sntf's training report.
 
-    python preact_identity.py --blocks 30 --batch 32 --steps 3 --policy swap
+    python resnet_identity.py --blocks 30 --batch 32 --steps 3 --policy swap
+                             [--arch pre|post] [--width 16] [--no-bias]
+
+pre: BN-ReLU-conv twice, then the sum (pre-activation); post: conv-BN-ReLU,
+conv-BN, the sum, then ReLU (the original ResNet block).
 
 One process per configuration: the Grappler plugin cannot be unloaded. Op
 determinism is on and the step runs on one inter-op thread, so a run
@@ -22,6 +26,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--policy", default="none")
+    parser.add_argument("--arch", choices=("pre", "post"), default="pre")
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--no-bias", dest="bias", action="store_false")
     args = parser.parse_args()
     import numpy as np
     import tensorflow as tf
@@ -36,14 +43,21 @@ def main() -> None:
     from keras import layers
 
     keras.utils.set_random_seed(1234)
+
+    def conv(t):
+        return layers.Conv2D(args.width, 3, padding="same", use_bias=args.bias)(t)
+
     inp = keras.Input((32, 32, 3))
-    x = layers.Conv2D(16, 3, padding="same")(inp)
+    x = conv(inp)
     for _ in range(args.blocks):
-        h = layers.ReLU()(layers.BatchNormalization()(x))
-        h = layers.Conv2D(16, 3, padding="same")(h)
-        h = layers.ReLU()(layers.BatchNormalization()(h))
-        h = layers.Conv2D(16, 3, padding="same")(h)
-        x = layers.Add()([x, h])
+        if args.arch == "pre":
+            h = conv(layers.ReLU()(layers.BatchNormalization()(x)))
+            h = conv(layers.ReLU()(layers.BatchNormalization()(h)))
+            x = layers.Add()([x, h])
+        else:
+            h = layers.ReLU()(layers.BatchNormalization()(conv(x)))
+            h = layers.BatchNormalization()(conv(h))
+            x = layers.ReLU()(layers.Add()([x, h]))
     out = layers.Dense(10)(layers.GlobalAveragePooling2D()(x))
     model = keras.Model(inp, out)
     model.compile(optimizer=keras.optimizers.SGD(0.001, momentum=0.9),
@@ -62,7 +76,7 @@ def main() -> None:
         if training:
             report = {k: training[-1].get(k) for k in (
                 "action", "order_dependent_sums", "planned_peak_bytes",
-                "predicted_peak_bytes")}
+                "predicted_peak_bytes", "nodes")}
     print("RESULT " + json.dumps({"losses": losses, "digest": digest, "report": report}))
 
 
