@@ -147,17 +147,30 @@ def _holders(g: GraphIndex, root: tuple[int, int]) -> set[int]:
     return holders
 
 
-def _forwardable(g: GraphIndex, node: int, slot: int, ran_before) -> bool:
-    """Whether the sum at `node` can forward its input `slot`: the buffer is
-    the step's own, the sum reads it once, and every other reader of the
-    buffer has run before it (`ran_before(reader)`)."""
+def _never_forwarded(g: GraphIndex, node: int, slot: int) -> bool:
+    """Whether the sum at `node` can never forward its input `slot`: the
+    buffer is not the step's own (a variable's value, a constant, an
+    argument), or the sum reads the tensor more than once."""
     tensor = g.data_inputs[node][slot]
     if sum(1 for t in g.data_inputs[node] if t == tensor) > 1:
-        return False
+        return True
     root = _buffer_root(g, tensor)
-    if g.ops[root[0]] in HELD_BUFFER_OPS or g.ops[root[0]] in optable.ALIAS_OPS:
+    return g.ops[root[0]] in HELD_BUFFER_OPS or g.ops[root[0]] in optable.ALIAS_OPS
+
+
+def _other_holders(g: GraphIndex, node: int, slot: int) -> list[int]:
+    """The nodes besides the sum at `node` that hold input `slot`'s buffer."""
+    root = _buffer_root(g, g.data_inputs[node][slot])
+    return [h for h in _holders(g, root) if h != node]
+
+
+def _forwardable(g: GraphIndex, node: int, slot: int, ran_before) -> bool:
+    """Whether the sum at `node` can forward its input `slot`: it may ever,
+    and every other holder of the buffer has run before it
+    (`ran_before(holder)`)."""
+    if _never_forwarded(g, node, slot):
         return False
-    return all(ran_before(h) for h in _holders(g, root) if h != node)
+    return all(ran_before(h) for h in _other_holders(g, node, slot))
 
 
 def forwarded_slot(g: GraphIndex, node: int, order: Sequence[int]) -> Optional[int]:
@@ -246,18 +259,15 @@ def sum_pins(original: GraphIndex, order: Sequence[int],
         chosen = _forwarded_slot(original, node, position)
         mine = position.get(node, len(position))
         later = {original.names[h] for slot in range(len(original.data_inputs[node]))
-                 for h in _holders(original, _buffer_root(original, original.data_inputs[node][slot]))
+                 for h in _other_holders(original, node, slot)
                  if position.get(h, -1) > mine}
         new = rewritten.index[name]
         for slot in range(len(rewritten.data_inputs[new])):
-            root = _buffer_root(rewritten, rewritten.data_inputs[new][slot])
-            held = rewritten.ops[root[0]] in HELD_BUFFER_OPS
-            holders = [h for h in _holders(rewritten, root) if h != new]
+            holders = _other_holders(rewritten, new, slot)
             if slot == chosen:
                 pins += [Pin(rewritten.names[h], name, name) for h in holders]
                 break
-            if held or sum(1 for t in rewritten.data_inputs[new]
-                           if t == rewritten.data_inputs[new][slot]) > 1:
+            if _never_forwarded(rewritten, new, slot):
                 continue
             waiting = [h for h in holders if rewritten.names[h] in later]
             if not waiting:
