@@ -415,7 +415,10 @@ def test_random_training_graphs_are_rewritten_correctly(fresh_python):
     assert result["rewritten"] >= CI_CASES // 10, counts
     assert counts.get("with swaps", 0) >= 5, counts
     assert counts.get("with recomputations", 0) >= 2, counts
-    assert counts.get("with backward rebuilds", 0) >= 2, counts
+    # Backward rebuilds are demanded on a fixed spec
+    # (test_a_swish_gradient_rebuilt_for_its_later_readers_is_identical):
+    # 200 random cases now draw them too rarely to count on (BENCHMARKS.md,
+    # "Identical results on deep networks").
     assert counts.get("with cache ops", 0) >= 2, counts
     assert counts.get("rewritten, unknown batch", 0) >= 2, counts
     # The zoo's shapes among the rewritten: squeeze-and-excitation gates,
