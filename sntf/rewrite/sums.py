@@ -28,15 +28,12 @@ class PinnedSums:
       graph_def: the new GraphDef (the input's when `pins` is empty).
       index: its index.
       pins: the control edges added.
-      accumulations: the accumulations (groups of unordered accumulating
-        updates of one variable) the graph has.
       lost: reordering sums no edge can hold to the original's choice.
     """
 
     graph_def: object
     index: GraphIndex
     pins: tuple
-    accumulations: int
     lost: tuple
 
 
@@ -59,14 +56,13 @@ def pin_sums(graph_def, index: GraphIndex, original: GraphIndex, order,
       A PinnedSums; its graph is validated (a cycle, or a pair that cannot
       stay merged, raises GraphError).
     """
-    groups = accumulations.accumulation_groups(original)
     names = [original.names[i] for i in order]
     mine = [index.index[n] for n in names if n in index.index]
     pins = accumulations.accumulation_pins(index, mine)
     held, lost = accumulations.sum_pins(original, order, index)
     pins += held
     if not pins:
-        return PinnedSums(graph_def, index, (), len(groups), tuple(lost))
+        return PinnedSums(graph_def, index, (), tuple(lost))
     out = type(graph_def)()
     out.CopyFrom(graph_def)
     nodes = {node.name: node for node in out.node}
@@ -85,7 +81,7 @@ def pin_sums(graph_def, index: GraphIndex, original: GraphIndex, order,
         if kept is not out:
             out, pinned = kept, index_as(kept, original)
     pinned = validate(out, original, pinned)
-    return PinnedSums(out, pinned, tuple(added), len(groups), tuple(lost))
+    return PinnedSums(out, pinned, tuple(added), tuple(lost))
 
 
 # Why a graph goes back unchanged: its sums cannot be held in order.
