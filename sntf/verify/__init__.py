@@ -4,7 +4,7 @@ computes the same bits as TensorFlow's graph.
     import sntf
     result = sntf.verify(model, x, y, policy="swap")
     print(result)              # verdict, first differing op, its inputs' digests
-    assert result.identical
+    assert result.ok           # identical, or identical up to the order of sums
 
 `verify` runs one training step of a compiled Keras model on one batch
 under sntf (with the policy, budget and options given, the graphs kept),
@@ -32,12 +32,14 @@ if TYPE_CHECKING:
     from sntf.verify.result import VerifyResult
 
 __all__ = ["verify", "verify_graphs", "VerifyResult", "InputDigest", "IDENTICAL",
-           "DIFFERENT", "NONDETERMINISTIC", "DEFAULT_CHUNK_BYTES"]
+           "IDENTICAL_UP_TO_SUM_ORDER", "DIFFERENT", "NONDETERMINISTIC",
+           "DEFAULT_CHUNK_BYTES"]
 
 # `import sntf` imports this package, also at interpreter start through the
 # startup hook: numpy and the verifier's modules load on first use only.
 DEFAULT_CHUNK_BYTES = 256 << 20
 _LAZY = {"VerifyResult": "result", "InputDigest": "result", "IDENTICAL": "core",
+         "IDENTICAL_UP_TO_SUM_ORDER": "core",
          "DIFFERENT": "core", "NONDETERMINISTIC": "core"}
 
 
@@ -98,7 +100,8 @@ def verify(model: Any, x: Any, y: Any = None, sample_weight: Any = None,
       **options: sntf options (sntf.enable's); not given: those in force.
 
     Returns:
-      A VerifyResult: `.verdict` ("identical", "different", "nondeterministic"),
+      A VerifyResult: `.verdict` ("identical", "identical_up_to_sum_order",
+      "different", "nondeterministic"; `.ok` is true for the first two),
       `.first_op` and its inputs' digests, the counts; `str()` is the report.
 
     Raises:

@@ -204,28 +204,49 @@ class GraphRun:
                 out[t.name] = None if count is None or width is None else count * width
         return out
 
-    def run(self, fetches: Sequence[str], variables: bool = False) -> tuple:
+    def run(self, fetches: Sequence[str], variables: bool = False,
+            feeds: Optional[Mapping[str, np.ndarray]] = None) -> tuple:
         """One step from the initial values, fetching `fetches`.
 
         Args:
           fetches: "node:port" names.
           variables: also read every variable after the step.
+          feeds: "node:port" -> the value every reader of that tensor reads
+            instead of it (its producer still runs).
 
         Returns:
           (digests of the fetches, digests of the variables or []), each a
           list of 32-byte sha256 digests in order. The values themselves are
           dropped as soon as they are digested.
         """
-        self.session.run(self._init, self._init_feeds)
-        tensors = [self.graph.get_tensor_by_name(f) for f in fetches]
-        values = self.session.run([tensors, self.targets], self._feeds)[0]
-        self.runs += 1
+        values = self.values(fetches, feeds)
         fetched = [core.digest(v) for v in values]
         del values
         after = []
         if variables:
             after = [core.digest(v) for v in self.session.run(self.reads)]
         return fetched, after
+
+    def values(self, fetches: Sequence[str],
+               feeds: Optional[Mapping[str, np.ndarray]] = None) -> list:
+        """One step from the initial values; the fetched values themselves
+        (a ref output's value is its variable's at the end of the step).
+
+        Args:
+          fetches: "node:port" names.
+          feeds: as run()'s.
+
+        Returns:
+          The values, numpy arrays in order.
+        """
+        self.session.run(self._init, self._init_feeds)
+        tensors = [self.graph.get_tensor_by_name(f) for f in fetches]
+        fed = dict(self._feeds)
+        for name, value in (feeds or {}).items():
+            fed[self.graph.get_tensor_by_name(name)] = value
+        values = self.session.run([tensors, self.targets], fed)[0]
+        self.runs += 1
+        return values
 
     def close(self) -> None:
         self.session.close()
@@ -287,9 +308,23 @@ def verify_graphs(original_graph_def: Any, rewritten_graph_def: Any, inputs: Map
     The tensors are fetched in chunks of at most `max_chunk_bytes` per
     graph, each chunk from a fresh step (the variables assigned their
     initial values first), and only their sha256 digests are kept; the
-    verifier stops after the first chunk with a difference. A difference is
-    then checked against a second run of the original graph: if that does
-    not repeat its own bits, the verdict is "nondeterministic".
+    verifier stops after the first chunk with a difference.
+
+    Where they differ and the graphs have sums TensorFlow adds in the order
+    their terms arrive (Grappler's accumulators), each such sum is checked
+    from identical inputs: its terms must be the original's, bit for bit,
+    and added in the order the rewritten graph holds them, from its zeroed
+    value, they must give the rewritten graph's bits. Then the original's
+    value of every such sum is fed into both graphs (into one alone would
+    change which buffers its readers reuse) and everything is compared
+    again, from identical inputs. Every such sum's value is held in memory
+    meanwhile. A sum that passes and differs is named in `ordered_sums`,
+    and the verdict is "identical_up_to_sum_order" where nothing else
+    differs; one that fails is the first differing op.
+
+    A difference is then checked against a second run of the original
+    graph: if that does not repeat its own bits, the verdict is
+    "nondeterministic".
 
     Args:
       original_graph_def: the graph Grappler handed sntf (a report's
@@ -332,6 +367,64 @@ def verify_graphs(original_graph_def: Any, rewritten_graph_def: Any, inputs: Map
             run.close()
 
 
+@dataclasses.dataclass
+class _Sweep:
+    """One pass over every chunk of pairs, the step's outputs and its
+    variables, from the same feeds in both graphs.
+
+    Attributes:
+      found: the first differing pair, or None.
+      chunk, digests: the chunk it is in and both graphs' digests of it.
+      counts: kind -> pairs compared.
+      chunks_run: chunks compared.
+      o_out, o_vars: the original's output and variable digests.
+      differing: labels of the variables that differ after the step.
+      outputs_differ: the step outputs that differ.
+    """
+
+    found: Optional[core.Pair]
+    chunk: list
+    digests: tuple
+    counts: dict
+    chunks_run: int
+    o_out: list
+    o_vars: list
+    differing: list
+    outputs_differ: list
+
+    @property
+    def clean(self) -> bool:
+        return self.found is None and not self.differing and not self.outputs_differ
+
+
+def _sweep(runs: tuple, chunks: list, returns: list, variable_indexes: list,
+           labels: Mapping[int, str], feeds: Mapping[str, np.ndarray]) -> _Sweep:
+    """Compares both graphs chunk by chunk, stopping after the first chunk
+    with a difference."""
+    first, second = runs
+    # The whole step with nothing fetched but its outputs: the variables
+    # after it, as the step leaves them when no fetch holds a tensor back.
+    o_out, o_vars = first.run(returns, variables=True, feeds=feeds)
+    r_out, r_vars = second.run(returns, variables=True, feeds=feeds)
+    differing = [labels[i] for i, a, b in zip(variable_indexes, o_vars, r_vars) if a != b]
+    outputs_differ = [r for r, a, b in zip(returns, o_out, r_out) if a != b]
+    counts = dict.fromkeys(core.KINDS, 0)
+    found, chunks_run, chunk, digests = None, 0, [], ({}, {})
+    for chunk in chunks:
+        chunks_run += 1
+        o_fetch = list(dict.fromkeys(p.original for p in chunk))
+        r_fetch = list(dict.fromkeys(p.rewritten for p in chunk))
+        digests = (dict(zip(o_fetch, first.run(o_fetch, feeds=feeds)[0])),
+                   dict(zip(r_fetch, second.run(r_fetch, feeds=feeds)[0])))
+        for kind, n in verify_result.counted(chunk).items():
+            counts[kind] += n
+        found = core.first_difference(chunk, *digests)
+        if found is not None:
+            break
+    return _Sweep(found, chunk, digests, counts, chunks_run, o_out, o_vars, differing,
+                  outputs_differ)
+
+
 def _compare(runs: tuple, labels: Mapping[int, str], chunk_bytes: int, check_repeat: bool,
              start: float) -> verify_result.VerifyResult:
     first, second = runs
@@ -344,44 +437,49 @@ def _compare(runs: tuple, labels: Mapping[int, str], chunk_bytes: int, check_rep
                 original_only=match.original_only, rewritten_only=match.rewritten_only,
                 chunks_total=len(chunks), nodes=(len(o_nodes), len(r_nodes)))
     notes = []
-
-    # The whole step with nothing fetched but its outputs: the variables
-    # after it, as the step leaves them when no fetch holds a tensor back.
     returns = [f"{name}:0" for name in first.returns if f"{name}:0" in sizes]
-    o_out, o_vars = first.run(returns, variables=True)
-    r_out, r_vars = second.run(returns, variables=True)
     order = sorted(labels)
     variable_indexes = [i for i in order if i in _resource_indexes(first)]
-    differing = [labels[i] for i, a, b in zip(variable_indexes, o_vars, r_vars) if a != b]
-    outputs_differ = [r for r, a, b in zip(returns, o_out, r_out) if a != b]
-    counts = dict.fromkeys(core.KINDS, 0)
-    found = None
-    chunks_run = 0
-    chunk: list = []
-    digests: tuple = ({}, {})
-    for chunk in chunks:
-        chunks_run += 1
-        o_fetch = list(dict.fromkeys(p.original for p in chunk))
-        r_fetch = list(dict.fromkeys(p.rewritten for p in chunk))
-        digests = (dict(zip(o_fetch, first.run(o_fetch)[0])),
-                   dict(zip(r_fetch, second.run(r_fetch)[0])))
-        for kind, n in verify_result.counted(chunk).items():
-            counts[kind] += n
-        found = core.first_difference(chunk, *digests)
-        if found is not None:
-            break
-    result = dict(base, tensors_compared=sum(counts.values()),
-                  clones_compared=counts[core.CLONE], swap_ins_compared=counts[core.SWAP_IN],
-                  swap_outs_compared=counts[core.SWAP_OUT],
-                  variables_compared=len(variable_indexes),
-                  variables_differing=len(differing),
-                  first_variable=differing[0] if differing else None,
-                  outputs_compared=len(returns), chunks_run=chunks_run)
-    if found is None and not differing and not outputs_differ:
+    feeds: dict = {}
+    sweep = _sweep(runs, chunks, returns, variable_indexes, labels, feeds)
+    sums: tuple = ()
+    if not sweep.clean:
+        # Sums TensorFlow adds in arrival order: each is checked from
+        # identical terms, then fed, at the original's value, into both
+        # graphs, so that everything after it is compared from identical
+        # inputs too.
+        accumulated = _accumulators(o_nodes, r_nodes, match, sizes)
+        if accumulated:
+            feeds = dict(zip((a.tensor for a, _ in accumulated),
+                             first.values([a.tensor for a, _ in accumulated])))
+            checks = _check_sums(runs, accumulated, feeds, sizes, chunk_bytes)
+            failed = next((c for c in checks if not c.same_terms), None)
+            if failed is not None:
+                result = dict(base, **_fields(sweep, variable_indexes, returns),
+                              sums_checked=len(checks))
+                return _sum_differs(failed, result, notes, runs, o_nodes, r_nodes,
+                                    feeds, start)
+            sums = tuple(c.sum for c in checks if c.reordered)
+            again = _sweep(runs, chunks, returns, variable_indexes, labels, feeds)
+            if again.clean and sums:
+                result = dict(base, **_fields(again, variable_indexes, returns),
+                              sums_checked=len(checks), ordered_sums=sums)
+                notes.append(_SUMS_NOTE)
+                return _finish(core.IDENTICAL_UP_TO_SUM_ORDER, result, notes, runs, start)
+            if not again.clean:
+                sweep = again
+                base.update(sums_checked=len(checks), ordered_sums=sums)
+                if sums:
+                    notes.append(_SUMS_NOTE)
+            else:
+                feeds = {}
+    result = dict(base, **_fields(sweep, variable_indexes, returns))
+    if sweep.clean:
         return _finish(core.IDENTICAL, result, notes, runs, start)
     if check_repeat:
-        repeat = _repeat_check(first, found, chunk, digests[0], returns, o_out, o_vars,
-                               variable_indexes, labels, o_nodes)
+        repeat = _repeat_check(first, sweep.found, sweep.chunk, sweep.digests[0], returns,
+                               sweep.o_out, sweep.o_vars, variable_indexes, labels, o_nodes,
+                               feeds)
         if repeat is not None:
             result.update(repeat)
             notes.append("the original graph computed other bits in a second run from "
@@ -389,14 +487,163 @@ def _compare(runs: tuple, labels: Mapping[int, str], chunk_bytes: int, check_rep
                          "tf.config.experimental.enable_op_determinism()); no difference "
                          "can be blamed on the rewrite")
             return _finish(core.NONDETERMINISTIC, result, notes, runs, start)
-    if found is None:
+    if sweep.found is None:
         notes.append("every fetched tensor matched, yet " + (
-            f"{len(differing)} variable(s)" if differing else "the step's outputs")
+            f"{len(sweep.differing)} variable(s)" if sweep.differing else "the step's outputs")
             + " differ after the step run without fetches: fetching held tensors "
             "back from in-place reuse or changed the executor's order")
         return _finish(core.DIFFERENT, result, notes, runs, start)
-    result.update(_first_fields(found, digests))
-    result["inputs"] = _inputs(found, runs, o_nodes, r_nodes)
+    result.update(_first_fields(sweep.found, sweep.digests))
+    result["inputs"] = _inputs(sweep.found, runs, o_nodes, r_nodes, feeds)
+    return _finish(core.DIFFERENT, result, notes, runs, start)
+
+
+_SUMS_NOTE = ("each sum added in a fixed order was checked from the same terms in both "
+              "graphs (added in the rewritten graph's order, they give its bits), then "
+              "fed into both graphs at the original's value: every other tensor was "
+              "compared from identical inputs")
+
+
+def _fields(sweep: _Sweep, variable_indexes: list, returns: list) -> dict:
+    """The result's counts of one sweep."""
+    counts = sweep.counts
+    return dict(tensors_compared=sum(counts.values()), clones_compared=counts[core.CLONE],
+                swap_ins_compared=counts[core.SWAP_IN],
+                swap_outs_compared=counts[core.SWAP_OUT],
+                variables_compared=len(variable_indexes),
+                variables_differing=len(sweep.differing),
+                first_variable=sweep.differing[0] if sweep.differing else None,
+                outputs_compared=len(returns), chunks_run=sweep.chunks_run)
+
+
+def _accumulators(o_nodes: list, r_nodes: list, match: core.Correspondence,
+                  sizes: Mapping[str, Optional[int]]) -> list:
+    """(original, rewritten) Accumulator of every sum both graphs compute
+    as a comparable tensor outside loops and branches, in the original
+    graph's order."""
+    original, rewritten = core.accumulators(o_nodes), core.accumulators(r_nodes)
+    paired = {p.original for p in match.pairs if p.kind == core.TENSOR}
+    position = {p.original: p.position for p in match.pairs}
+    out = [(original[name], acc) for name, acc in rewritten.items()
+           if name in original and acc.tensor in paired]
+    return sorted(out, key=lambda pair: position[pair[0].tensor])
+
+
+@dataclasses.dataclass(frozen=True)
+class _SumCheck:
+    """What the check of one sum found.
+
+    Attributes:
+      sum: the sum node.
+      same_terms: whether the rewritten graph adds the original's terms,
+        bit for bit, in one order it holds, and adding them in that order
+        gives its bits.
+      reordered: whether its bits differ from the original's all the same.
+      why: where not same_terms, why not.
+      digests: (original, rewritten) digests of the sum.
+    """
+
+    sum: str
+    same_terms: bool
+    reordered: bool
+    why: str
+    digests: tuple
+
+
+def _check_sums(runs: tuple, accumulated: list, feeds: Mapping[str, np.ndarray],
+                sizes: Mapping[str, Optional[int]], chunk_bytes: int) -> list:
+    """Checks each accumulator from identical inputs (every accumulator's
+    sum fed at the original's value): its terms are the original's, bit for
+    bit; and added in the order the rewritten graph holds, from its zeroed
+    value, they give the rewritten graph's sum exactly. An addition that
+    runs before the zeroing, or out of the held order, fails the second.
+
+    Returns:
+      A _SumCheck per accumulator, in order.
+    """
+    first, second = runs
+    out = []
+    for group in _sum_groups(accumulated, sizes, chunk_bytes):
+        fetch = ([], [])
+        for o_acc, r_acc in group:
+            for side, acc in ((0, o_acc), (1, r_acc)):
+                # A fetched ref shares its variable's buffer: read after the
+                # step, an addition's output is the accumulator's sum.
+                fetch[side].extend([t for t in (acc.init_value,) if t]
+                                   + [term for _, _, term in acc.updates]
+                                   + [f"{acc.updates[-1][0]}:0"])
+        o_fetch, r_fetch = (list(dict.fromkeys(f)) for f in fetch)
+        o_digests = dict(zip(o_fetch, first.run(o_fetch, feeds=feeds)[0]))
+        r_values = dict(zip(r_fetch, second.values(r_fetch, feeds)))
+        for o_acc, r_acc in group:
+            out.append(_check_sum(o_acc, r_acc, o_digests, r_values))
+        del r_values
+    return out
+
+
+def _check_sum(o_acc: core.Accumulator, r_acc: core.Accumulator, o_digests: dict,
+               r_values: dict) -> _SumCheck:
+    """_check_sums for one accumulator, from the fetched values."""
+    o_final = o_digests[f"{o_acc.updates[-1][0]}:0"]
+    r_final = r_values[f"{r_acc.updates[-1][0]}:0"]
+    digests = (o_final.hex(), core.digest(r_final).hex())
+
+    def failed(why: str) -> _SumCheck:
+        return _SumCheck(r_acc.sum, False, o_final != core.digest(r_final), why, digests)
+
+    if not r_acc.held:
+        return failed(f"its additions are not held to one order: {r_acc.why}")
+    o_terms = {name: (op, term) for name, op, term in o_acc.updates}
+    r_terms = {name: (op, term) for name, op, term in r_acc.updates}
+    if set(o_terms) != set(r_terms):
+        extra = sorted(set(o_terms) ^ set(r_terms))
+        return failed(f"the graphs add other terms ({', '.join(extra[:4])})")
+    if not o_acc.init_value or o_digests[o_acc.init_value] != core.digest(
+            r_values[r_acc.init_value]):
+        return failed(f"its zeroing {r_acc.init} writes another value")
+    for name, (op, term) in r_terms.items():
+        if op != o_terms[name][0]:
+            return failed(f"{name} is {op} here, {o_terms[name][0]} in the original")
+        if o_digests[o_terms[name][1]] != core.digest(r_values[term]):
+            return failed(f"{name} adds other bits ({o_terms[name][1]} | {term})")
+    expected = core.ordered_sum(r_values[r_acc.init_value], [
+        (core.ACCUMULATOR_SIGNS[op], r_values[term]) for _, op, term in r_acc.updates])
+    if core.digest(expected) != core.digest(r_final):
+        return failed("its terms, added in the order the rewritten graph holds them, "
+                      "give other bits than it computed (an addition ran outside that "
+                      "order, or before the zeroing)")
+    return _SumCheck(r_acc.sum, True, o_final != core.digest(r_final), "", digests)
+
+
+def _sum_groups(accumulated: list, sizes: Mapping[str, Optional[int]],
+                chunk_bytes: int) -> list:
+    """The accumulators in groups whose fetched values (terms, zeroed value
+    and sum) stay within chunk_bytes, one accumulator at least per group."""
+    groups, current, used = [], [], 0
+    for o_acc, r_acc in accumulated:
+        cost = (len(r_acc.updates) + 2) * (sizes.get(r_acc.tensor) or 0)
+        if current and used + cost > chunk_bytes:
+            groups.append(current)
+            current, used = [], 0
+        current.append((o_acc, r_acc))
+        used += cost
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _sum_differs(check: _SumCheck, result: dict, notes: list, runs: tuple, o_nodes: list,
+                 r_nodes: list, feeds: Mapping[str, np.ndarray],
+                 start: float) -> verify_result.VerifyResult:
+    """The verdict where a sum's check fails: the sum is the first op that
+    differs from identical inputs; its terms are shown."""
+    tensor = names.tensor_name(check.sum, 0)
+    pair = core.Pair(core.TENSOR, tensor, tensor, core.ACCUMULATOR_SUM, 0)
+    result.update(first_op=check.sum, first_op_type=core.ACCUMULATOR_SUM,
+                  first_tensor=tensor, first_original_tensor=tensor,
+                  first_kind=core.TENSOR, first_digests=check.digests)
+    result["inputs"] = _inputs(pair, runs, o_nodes, r_nodes, feeds)
+    notes.append(f"sum {check.sum}, checked from identical inputs: {check.why}")
     return _finish(core.DIFFERENT, result, notes, runs, start)
 
 
@@ -417,12 +664,13 @@ def _first_fields(pair: core.Pair, digests: tuple) -> dict:
 
 def _repeat_check(first: GraphRun, found: Optional[core.Pair], chunk: list, digests: dict,
                   returns: list, o_out: list, o_vars: list, variable_indexes: list,
-                  labels: Mapping[int, str], o_nodes: list) -> Optional[dict]:
+                  labels: Mapping[int, str], o_nodes: list,
+                  feeds: Mapping[str, np.ndarray]) -> Optional[dict]:
     """Runs the original graph's differing chunk (or its whole step) again;
     returns the result fields naming what did not repeat, or None."""
     if found is not None:
         fetch = list(digests)
-        again = dict(zip(fetch, first.run(fetch)[0]))
+        again = dict(zip(fetch, first.run(fetch, feeds=feeds)[0]))
         ops = {n.name: n.op for n in o_nodes}
         for pair in chunk:
             tensor = pair.original
@@ -433,14 +681,15 @@ def _repeat_check(first: GraphRun, found: Optional[core.Pair], chunk: list, dige
                             first_kind=core.TENSOR,
                             first_digests=(digests[tensor].hex(), again[tensor].hex()))
         return None
-    out, after = first.run(returns, variables=True)
+    out, after = first.run(returns, variables=True, feeds=feeds)
     if out != o_out or after != o_vars:
         moved = [labels[i] for i, a, b in zip(variable_indexes, o_vars, after) if a != b]
         return dict(first_variable=moved[0] if moved else None)
     return None
 
 
-def _inputs(pair: core.Pair, runs: tuple, o_nodes: list, r_nodes: list) -> tuple:
+def _inputs(pair: core.Pair, runs: tuple, o_nodes: list, r_nodes: list,
+            feeds: Mapping[str, np.ndarray]) -> tuple:
     """The first differing op's inputs with their digests, from one more
     step of each graph that fetches just them."""
     rows = verify_result.input_rows(pair, o_nodes, r_nodes)
@@ -461,7 +710,7 @@ def _inputs(pair: core.Pair, runs: tuple, o_nodes: list, r_nodes: list) -> tuple
     got = []
     for run, tensors in zip(runs, fetch):
         unique = list(dict.fromkeys(tensors))
-        got.append(dict(zip(unique, run.run(unique)[0])))
+        got.append(dict(zip(unique, run.run(unique, feeds=feeds)[0])))
     out = []
     for slot, o_in, r_in, via in rows:
         o_why, r_why = why_not(o_in, o_kinds), why_not(r_in, r_kinds)

@@ -8,9 +8,10 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 from sntf.graph import names
 from sntf.graph.index import parse_input
-from sntf.verify.core import (CLONE, DIFFERENT, DIGEST_CHARS, IDENTICAL, KINDS,
-                              NONDETERMINISTIC, REF_WRITERS, SKIP_REF, SWAP_IN, SWAP_OUT,
-                              TENSOR, Node, Pair, comparable)
+from sntf.verify.core import (CLONE, DIFFERENT, DIGEST_CHARS, IDENTICAL,
+                              IDENTICAL_UP_TO_SUM_ORDER, KINDS, NONDETERMINISTIC,
+                              REF_WRITERS, SAME_RESULTS, SKIP_REF, SWAP_IN, SWAP_OUT, TENSOR,
+                              Node, Pair, comparable)
 
 @dataclasses.dataclass(frozen=True)
 class InputDigest:
@@ -50,10 +51,15 @@ class VerifyResult:
 
     Attributes:
       verdict: "identical" (every compared tensor and variable holds the
-        same bits), "different" (the rewritten graph computes other bits),
-        or "nondeterministic" (the original graph does not repeat its own
-        bits from the same inputs, so no difference can be blamed on the
-        rewrite; `first_op` names its first tensor that did not repeat).
+        same bits); "identical_up_to_sum_order" (every tensor holds the same
+        bits from identical inputs, but for the sums in `ordered_sums`,
+        which TensorFlow adds in the order their terms arrive: the
+        rewritten graph adds the same terms, bit for bit, in one order it
+        holds); "different" (an op of the rewritten graph computes other
+        bits from identical inputs); or "nondeterministic" (the original
+        graph does not repeat its own bits from the same inputs, so no
+        difference can be blamed on the rewrite; `first_op` names its first
+        tensor that did not repeat). `ok` is true for the first two.
       first_op, first_op_type: the first differing op in the original
         graph's topological order (the rewritten node: a clone or a swap-in
         where that is what differs), or None.
@@ -80,6 +86,9 @@ class VerifyResult:
       graph, policy, action: the graph's name, the policy and what sntf did
         with it (from its report; '' when verify_graphs was called directly).
       nodes: (original, rewritten) node counts.
+      ordered_sums: the sums whose bits differ only by the order of their
+        terms (DestroyTemporaryVariable nodes of Grappler's accumulators).
+      sums_checked: order-dependent sums checked from identical terms.
       notes: anything else worth saying.
       seconds: wall time.
     """
@@ -111,13 +120,21 @@ class VerifyResult:
     policy: str = ""
     action: str = ""
     nodes: tuple = (0, 0)
+    ordered_sums: tuple = ()
+    sums_checked: int = 0
     notes: tuple = ()
     seconds: float = 0.0
 
     @property
     def identical(self) -> bool:
-        """Whether the verdict is "identical"."""
+        """Whether the verdict is "identical": every bit as TensorFlow's."""
         return self.verdict == IDENTICAL
+
+    @property
+    def ok(self) -> bool:
+        """Whether the rewrite computes what TensorFlow's step computes: the
+        verdict is "identical" or "identical_up_to_sum_order"."""
+        return self.verdict in SAME_RESULTS
 
     def text(self) -> str:
         """The report, several lines (no trailing newline)."""
@@ -145,7 +162,11 @@ def report_lines(result: VerifyResult) -> list:
     head = "sntf.verify"
     if result.graph:
         head += f": {result.graph}"
-    lines = [f"{head}: {result.verdict.upper()}"]
+    verdict = result.verdict.upper()
+    if result.verdict == IDENTICAL_UP_TO_SUM_ORDER:
+        count = len(result.ordered_sums)
+        verdict = f"IDENTICAL UP TO THE ORDER OF {count} SUM{'S' if count != 1 else ''}"
+    lines = [f"{head}: {verdict}"]
     about = []
     if result.policy:
         about.append(f"policy '{result.policy}'")
@@ -173,6 +194,11 @@ def report_lines(result: VerifyResult) -> list:
             lines.append("    inputs (original | rewritten):")
             for row in result.inputs:
                 lines.append("      " + input_line(row))
+    if result.ordered_sums:
+        shown = ", ".join(result.ordered_sums[:8]) + (
+            f" and {len(result.ordered_sums) - 8} more" if len(result.ordered_sums) > 8 else "")
+        lines.append(f"  same terms, fixed order ({len(result.ordered_sums)} of "
+                     f"{result.sums_checked} order-dependent sums): {shown}")
     if result.first_variable is not None:
         lines.append(f"  first variable that differs after the update: "
                      f"{result.first_variable} ({result.variables_differing} of "
