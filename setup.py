@@ -15,7 +15,9 @@ install without build isolation:
 It also installs sntf-startup.pth into site-packages, a one-line startup
 hook (see sntf_startup.py) that makes `SNTF_BUDGET=12GB python train.py`
 work without `import sntf`: for a wheel, an editable install and the legacy
-`setup.py develop` alike.
+`setup.py develop` alike. The install puts the dump tool on the PATH as
+`sntf-dump` (sntf.tools.dump:main); the extra "plot" adds matplotlib, which
+draws the tool's timeline.png.
 """
 
 import concurrent.futures
@@ -32,6 +34,13 @@ from setuptools.command.develop import develop
 
 # The releases benchmarks/tf_versions.sh builds and smoke-tests.
 TF_REQUIREMENT = "tensorflow>=2.19,<2.22"
+# Commands the install puts on the PATH: the dump tool (also tools/sntf_dump
+# in a clone).
+ENTRY_POINTS = {"console_scripts": ["sntf-dump = sntf.tools.dump:main"]}
+# Optional extras: `pip install --no-build-isolation ".[plot]"` adds what the
+# dump tool draws its timeline.png with; without it the tool writes the same
+# numbers to timeline.json only.
+EXTRAS_REQUIRE = {"plot": ["matplotlib"]}
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -165,6 +174,8 @@ setup(
     py_modules=["sntf_startup"],
     python_requires=">=3.10",
     install_requires=[TF_REQUIREMENT, "numpy", "absl-py"],
+    extras_require=EXTRAS_REQUIRE,
+    entry_points=ENTRY_POINTS,
     ext_modules=[
         NativeExtension(
             "sntf._sntf_ops",

@@ -88,6 +88,12 @@ class Options:
     # cannot reorder the allocations the planned peak depends on. False
     # leaves the executor free to run them side by side.
     pin_order: bool = True
+    # With op determinism on, a graph with sums TensorFlow adds in the order
+    # their terms arrive (Grappler's accumulators) is rewritten with each
+    # such sum held to one order: the same terms, bit for bit, in a fixed
+    # order, so runs repeat under any thread pool. True leaves such graphs
+    # unchanged instead (TensorFlow's one-thread bits, no memory saved).
+    exact_sums: bool = False
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
@@ -124,7 +130,7 @@ def parse_options(options: Mapping[str, Any], caller: str = "sntf.enable()"
         raise TypeError(f"{caller} got unknown option(s) {unknown}; "
                         f"accepted options: {', '.join(OPTION_NAMES)}")
     values = dict(options)
-    for flag in ("identity_rewrite", "keep_graphs", "pin_order"):
+    for flag in ("identity_rewrite", "keep_graphs", "pin_order", "exact_sums"):
         if flag in values and not isinstance(values[flag], bool):
             raise ValueError(f"sntf: {flag} must be True or False, got "
                              f"{values[flag]!r}")

@@ -192,7 +192,7 @@ def _run(graph_def, index, state: config.State, report: dict,
     original = graph_def
     with reports.timed(report, "sums"):
         sums = rewrite.hold_before_planning(graph_def, index, _onednn(env, index),
-                                            env.op_determinism)
+                                            env.op_determinism, state.options.exact_sums)
     report["order_dependent_sums"] = sums.fields()
     if sums.code is not None:
         report["action"] = UNCHANGED
@@ -211,6 +211,7 @@ def _run(graph_def, index, state: config.State, report: dict,
                                              outcome.cache_headroom)
     result = PassResult(None, report, warnings=outcome.warnings)
     plan = _record_plan(outcome, base, budget, report)
+    held = sums
     if rewritten is not None:
         with reports.timed(report, "sums"):
             sums = rewrite.hold_after_planning(
@@ -219,9 +220,19 @@ def _run(graph_def, index, state: config.State, report: dict,
         report["order_dependent_sums"] = sums.fields()
         rewritten = sums.graph_def if sums.code is None else None
         if rewritten is None:
-            plan = dataclasses.replace(plan, notes=plan.notes + (sums.note(),))
+            plan = dataclasses.replace(plan, notes=plan.notes + (
+                sums.note() if not _held_alone(held, env) else sums.note().replace(
+                    "graph left unchanged", "plan dropped"),))
             report.update(planned_peak_bytes=report.get("predicted_peak_bytes"),
                           swapped=[], recomputed=[])
+    if rewritten is None and base is not None and state.policy != "off" \
+            and _held_alone(held, env):
+        # The user asked for repeatable results, which TensorFlow's graph
+        # does not give: its accumulators go back held to one order.
+        rewritten = held.graph_def
+        report["order_dependent_sums"] = held.fields()
+        plan = dataclasses.replace(plan, notes=plan.notes + (HELD_ALONE.format(
+            held.accumulations),))
     graph_def = original
     handed = rewritten if rewritten is not None else graph_def
     if state.options.keep_graphs:
@@ -242,6 +253,18 @@ def _run(graph_def, index, state: config.State, report: dict,
         report["action"] = UNCHANGED
         report["reason"] = f"training graph ({why_training}); " + "; ".join(plan.notes)
     return result
+
+
+HELD_ALONE = ("order-dependent sums held to one order ({} edge(s) between additions of "
+              "Grappler accumulators), as op determinism asks: TensorFlow adds them in "
+              "the order their terms arrive")
+
+
+def _held_alone(held, env: Environment) -> bool:
+    """Whether a graph whose plan changes nothing still goes back with its
+    accumulators held to one order: under op determinism, where it has
+    such edges."""
+    return env.op_determinism and held.code is None and held.accumulations > 0
 
 
 def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,

@@ -165,29 +165,77 @@ def _step_with_accumulator():
     return merged, props
 
 
-@pytest.mark.parametrize("determinism", [False, True])
-def test_a_graph_with_an_accumulator_is_pinned_or_left_unchanged_under_determinism(
-        determinism):
+def _pass_with_accumulator(determinism: bool, policy: str = "swap+recompute", **options):
     from graphs import properties_fn
     from sntf import config, passes
 
     graph_def, props = _step_with_accumulator()
-    state = config.State(enabled=True, policy="swap+recompute")
-    result = passes.run_pass(graph_def.SerializeToString(), ["ret"], [], state,
-                             properties_fn(props),
-                             passes.Environment(op_determinism=determinism))
-    sums = result.report["order_dependent_sums"]
-    assert sums["accumulations"] == 2      # three additions, two edges to order them
-    if determinism:
-        assert result.graph_def is None and result.report["action"] == "unchanged"
-        assert sums["code"] == sums_stage.UNPINNABLE
-        return
-    assert result.report["action"] == "rewritten" and sums["code"] is None
-    nodes = {n.name: n for n in result.graph_def.node}
+    state = config.State(enabled=True, policy=policy,
+                         options=config.parse_options(options))
+    return passes.run_pass(graph_def.SerializeToString(), ["ret"], [], state,
+                           properties_fn(props),
+                           passes.Environment(op_determinism=determinism))
+
+
+def _chained(graph_def) -> bool:
+    """Whether the accumulator's three additions wait for each other in a
+    chain: one waits for none, each other for exactly one."""
+    nodes = {n.name: n for n in graph_def.node}
     waits = {name: [i[1:] for i in nodes[name].input if i.startswith("^acc/tmp_var_accum")]
              for name in nodes if name.startswith("acc/tmp_var_accum")}
-    # A chain: one addition waits for none, each other for exactly one.
-    assert sorted(len(w) for w in waits.values()) == [0, 1, 1]
+    return sorted(len(w) for w in waits.values()) == [0, 1, 1]
+
+
+@pytest.mark.parametrize("determinism", [False, True])
+def test_a_graph_with_an_accumulator_is_rewritten_with_its_additions_in_one_order(
+        determinism):
+    result = _pass_with_accumulator(determinism)
+    sums = result.report["order_dependent_sums"]
+    assert sums["accumulations"] == 2      # three additions, two edges to order them
+    assert result.report["action"] == "rewritten" and sums["code"] is None
+    assert result.report["swapped"] or result.report["recomputed"]
+    assert _chained(result.graph_def)
+
+
+def test_exact_sums_leaves_a_graph_with_an_accumulator_unchanged_under_determinism():
+    result = _pass_with_accumulator(True, exact_sums=True)
+    sums = result.report["order_dependent_sums"]
+    assert result.graph_def is None and result.report["action"] == "unchanged"
+    assert sums["code"] == sums_stage.UNPINNABLE and sums["accumulations"] == 2
+    assert "exact_sums=True" in result.report["reason"]
+    # Without determinism there are no bits of TensorFlow's to keep.
+    assert _pass_with_accumulator(False, exact_sums=True).report["action"] == "rewritten"
+
+
+@pytest.mark.parametrize("determinism", [False, True])
+def test_a_plan_that_saves_nothing_goes_back_held_only_under_determinism(determinism):
+    """Under determinism the user asked for repeatable results, which the
+    accumulator's arrival order does not give: the graph goes back with
+    its additions chained and nothing else changed."""
+    result = _pass_with_accumulator(determinism, min_gain=0.99)
+    report = result.report
+    assert not report["swapped"] and not report["recomputed"]
+    if not determinism:
+        assert result.graph_def is None and report["action"] == "unchanged"
+        return
+    assert report["action"] == "rewritten" and _chained(result.graph_def)
+    original, _ = _step_with_accumulator()
+    # Only control inputs were added.
+    before = {n.name: [i for i in n.input if not i.startswith("^")] for n in original.node}
+    after = {n.name: [i for i in n.input if not i.startswith("^")]
+             for n in result.graph_def.node}
+    assert before == after
+    assert "held to one order" in report["reason"]
+    # Policy "off" inspects only.
+    assert _pass_with_accumulator(True, policy="off").graph_def is None
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_a_malformed_exact_sums_is_a_value_error_naming_it(value):
+    from sntf import config
+
+    with pytest.raises(ValueError, match=f"exact_sums must be True or False, got {value!r}"):
+        config.parse_options({"exact_sums": value})
 
 
 def test_an_edge_to_a_merged_filter_gradient_is_given_to_its_bias_gradient_too():

@@ -122,10 +122,10 @@ class SumsOutcome:
     def note(self) -> Optional[str]:
         """The report's words for why the graph went back unchanged."""
         if self.cause == ACCUMULATOR:
-            return (f"graph left unchanged: the additions of Grappler accumulator "
-                    f"{self.detail!r} run in an order TensorFlow's executor picks at "
-                    "run time, which a rewrite moves; with op determinism on, results "
-                    "would not be TensorFlow's")
+            return (f"graph left unchanged (exact_sums=True): the additions of Grappler "
+                    f"accumulator {self.detail!r} run in an order TensorFlow's executor "
+                    "picks at run time, which a rewrite moves, so TensorFlow's bits "
+                    "cannot be promised")
         if self.cause == FAILED:
             return f"graph left unchanged: holding its sums in order failed: {self.detail}"
         if self.cause == LOST:
@@ -135,23 +135,25 @@ class SumsOutcome:
 
 
 def hold_before_planning(graph_def, index: GraphIndex, onednn: bool,
-                         determinism: bool) -> SumsOutcome:
+                         determinism: bool, exact: bool = False) -> SumsOutcome:
     """The graph with its order-dependent sums held, by control edges, to
     the order the executor runs them in as the analysis emulates it, before
     anything is planned on it: the planner's own order edges then respect
     them.
 
     TensorFlow orders a Grappler accumulator's additions by when its inputs
-    arrive, and no emulation of its executor is exact. With op determinism
-    on, a rewrite that moves those arrivals cannot promise TensorFlow's
-    bits, so such a graph must go back unchanged. Without it, the edges
-    make the rewritten graph's sums repeat under any thread pool.
+    arrive, and no emulation of its executor is exact: the edges add the
+    same terms in one fixed order, so the rewritten graph's sums repeat
+    under any thread pool (TensorFlow's own do not). Where the user asked
+    for TensorFlow's exact bits (exact_sums=True) under op determinism,
+    such a graph goes back unchanged instead.
 
     Args:
       graph_def: the graph Grappler handed over (left untouched).
       index: its index.
       onednn: whether TensorFlow's oneDNN graph pass runs.
       determinism: whether op determinism is on.
+      exact: the exact_sums option.
 
     Returns:
       A SumsOutcome.
@@ -160,7 +162,7 @@ def hold_before_planning(graph_def, index: GraphIndex, onednn: bool,
         return SumsOutcome(graph_def, index)
     order = schedule(index, merged=merged_kernels(index) if onednn else None)
     unordered = accumulations.accumulation_pins(index, order)
-    if unordered and determinism:
+    if unordered and determinism and exact:
         return SumsOutcome(graph_def, index, len(unordered), code=UNPINNABLE,
                            cause=ACCUMULATOR, detail=unordered[0].sum_node)
     try:

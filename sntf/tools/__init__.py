@@ -2,5 +2,5 @@
 
   dump   trains a model for a step with sntf and writes every training graph,
          its plan and its predicted memory timeline to a folder
-         (also `tools/sntf_dump`).
+         (installed as the `sntf-dump` command; `tools/sntf_dump` in a clone).
 """

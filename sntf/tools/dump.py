@@ -1,7 +1,8 @@
 """sntf_dump: train a Keras model for a step with sntf and dump what sntf saw.
 
-    tools/sntf_dump --model MODEL --batch B [--policy P] [--budget BUDGET]
-                    [--out sntf_dump_out] [--steps 1] [--verify]
+    sntf-dump --model MODEL --batch B [--policy P] [--budget BUDGET]
+              [--out sntf_dump_out] [--steps 1] [--verify]
+    tools/sntf_dump ...                    (the same tool, in a clone)
     python -m sntf.tools.dump ...          (the same tool)
 
 MODEL is a saved `.keras` (or `.h5`) file, or a Python file that defines
@@ -22,7 +23,8 @@ training graph sntf saw a folder OUT/graph_<k>/ with
   plan.json         the plan (decisions and why) and the headline numbers
   timeline.png      predicted device memory per schedule step, original and
                     planned, with the lower bound, the budget, the start of
-                    the backward pass and the checkpoints
+                    the backward pass and the checkpoints (drawn with
+                    matplotlib: sntf's optional extra "plot")
   timeline.json     the plotted series and lines, as numbers
   tensorboard/      both graphs for TensorBoard (runs original, rewritten):
                     tensorboard --logdir OUT/graph_<k>/tensorboard
@@ -106,17 +108,31 @@ flags.DEFINE_integer("steps", 1, "training steps (steps * batch samples)",
                      flag_values=FLAGS)
 flags.DEFINE_bool("verify", False,
                   "after the dump, check the rewrite on the first batch with "
-                  "sntf.verify: exit status 3 when the graphs compute other bits",
+                  "sntf.verify: exit status 0 when identical or identical up to "
+                  "the order of sums TensorFlow adds as their terms arrive, 3 when "
+                  "an op computes other bits, 4 when the original graph does not "
+                  "repeat itself",
                   flag_values=FLAGS)
 flags.DEFINE_string("verify_chunk_bytes", "256MiB",
                     "with --verify: the most bytes of tensors one verification "
                     "run fetches from one graph (bytes or a size such as 256MiB)",
                     flag_values=FLAGS)
 
-# Exit status when --verify finds the graphs computing other bits.
+# Exit status when --verify finds an op of the rewritten graph computing
+# other bits from identical inputs, and when the original graph does not
+# repeat its own bits (nothing can be checked). "identical" and "identical
+# up to the order of sums" exit 0.
 VERIFY_DIFFERS = 3
+VERIFY_NONDETERMINISTIC = 4
 
 HELP_ARGS = ("-h", "-?", "-help", "--help", "--helpshort", "--helpfull")
+
+# Said once before a run when matplotlib, sntf's optional extra "plot", is
+# missing: the dump then writes timeline.json but no timeline.png.
+NO_PLOT_NOTE = ("matplotlib is not installed, so no timeline.png (timeline.json "
+                "has its numbers); to draw it install sntf's extra: pip install "
+                "'sntf[plot]' (from a clone: pip install --no-build-isolation "
+                "'.[plot]')")
 
 
 @dataclasses.dataclass
@@ -427,7 +443,9 @@ def verify_step(settings: Settings, model, x, y) -> int:
     """Runs sntf.verify on the first batch; prints and writes its report.
 
     Returns:
-      0 when the graphs are identical, VERIFY_DIFFERS otherwise.
+      0 when the verdict is "identical" or "identical_up_to_sum_order",
+      VERIFY_NONDETERMINISTIC when it is "nondeterministic", else
+      VERIFY_DIFFERS.
     """
     import sntf
 
@@ -442,17 +460,44 @@ def verify_step(settings: Settings, model, x, y) -> int:
     text = write_verify(result, settings.out)
     sys.stdout.write(text)
     sys.stdout.flush()
-    return 0 if result.identical else VERIFY_DIFFERS
+    if result.ok:
+        return 0
+    return VERIFY_NONDETERMINISTIC if result.verdict == "nondeterministic" else VERIFY_DIFFERS
+
+
+def plot_library_missing() -> bool:
+    """Whether matplotlib, which draws timeline.png, cannot be found.
+
+    Returns:
+      True when `import matplotlib` would fail (the extra "plot" is not
+      installed); the module is not imported.
+    """
+    try:
+        return importlib.util.find_spec("matplotlib") is None
+    except (ImportError, ValueError):
+        return True
 
 
 def main(argv: Optional[list] = None) -> int:
-    """Entry point: returns the exit status (2 for input errors)."""
+    """Runs the tool: the `sntf-dump` command, tools/sntf_dump and
+    `python -m sntf.tools.dump`.
+
+    Args:
+      argv: the command line, program name first; None reads sys.argv.
+
+    Returns:
+      The exit status: 0 on success, 1 when no training graph reached sntf,
+      2 for input errors, 3 when --verify finds the graphs differ, 4 when
+      the original graph does not repeat its own bits.
+    """
     argv = list(sys.argv if argv is None else argv)
     if any(a in HELP_ARGS for a in argv[1:]):
         sys.stdout.write(help_text())
         return 0
     try:
         settings = parse_flags(argv)
+        if plot_library_missing():
+            sys.stderr.write(f"{PROG}: note: {NO_PLOT_NOTE}\n")
         return run(settings)
     except DumpError as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")

@@ -345,6 +345,7 @@ def write_verify(result, out: str) -> str:
         f.write(text)
     document = dataclasses.asdict(result)
     document["identical"] = result.identical
+    document["ok"] = result.ok
     with open(os.path.join(out, "verify.json"), "w", encoding="utf-8") as f:
         json.dump(document, f, indent=2, default=str)
         f.write("\n")

@@ -314,11 +314,11 @@ def verify_graphs(original_graph_def: Any, rewritten_graph_def: Any, inputs: Map
     their terms arrive (Grappler's accumulators), each such sum is checked
     from identical inputs: its terms must be the original's, bit for bit,
     and added in the order the rewritten graph holds them, from its zeroed
-    value, they must give the rewritten graph's bits. Then the original's
-    value of every such sum is fed into both graphs (into one alone would
-    change which buffers its readers reuse) and everything is compared
-    again, from identical inputs. Every such sum's value is held in memory
-    meanwhile. A sum that passes and differs is named in `ordered_sums`,
+    value, they must give the rewritten graph's bits. Both graphs then run
+    again with every such sum set to the original's value once its
+    additions are done (settle(): in its own buffer, so that its readers
+    reuse buffers as before), and everything is compared from identical
+    inputs. Every such sum's value is held in memory meanwhile. A sum that passes and differs is named in `ordered_sums`,
     and the verdict is "identical_up_to_sum_order" where nothing else
     differs; one that fails is the first differing op.
 
@@ -359,9 +359,15 @@ def verify_graphs(original_graph_def: Any, rewritten_graph_def: Any, inputs: Map
     labels = {i: (variable_names or {}).get(i) or specs[i].name for i in specs}
     if any(n.op.startswith("Sn") for n in rewritten.node):
         native.load_ops()           # the rewritten graph's swap and cache ops
-    runs = (GraphRun(original, values, specs), GraphRun(rewritten, values, specs))
+    runs = [GraphRun(original, values, specs), GraphRun(rewritten, values, specs)]
+
+    def make(graph_def) -> GraphRun:
+        run = GraphRun(graph_def, values, specs)
+        runs.append(run)
+        return run
+
     try:
-        return _compare(runs, labels, chunk_bytes, check_repeat, start)
+        return _compare(tuple(runs), labels, chunk_bytes, check_repeat, start, make)
     finally:
         for run in runs:
             run.close()
@@ -426,7 +432,7 @@ def _sweep(runs: tuple, chunks: list, returns: list, variable_indexes: list,
 
 
 def _compare(runs: tuple, labels: Mapping[int, str], chunk_bytes: int, check_repeat: bool,
-             start: float) -> verify_result.VerifyResult:
+             start: float, make) -> verify_result.VerifyResult:
     first, second = runs
     o_nodes, r_nodes = first.nodes(), second.nodes()
     match = core.correspond(o_nodes, r_nodes)
@@ -442,37 +448,40 @@ def _compare(runs: tuple, labels: Mapping[int, str], chunk_bytes: int, check_rep
     variable_indexes = [i for i in order if i in _resource_indexes(first)]
     feeds: dict = {}
     sweep = _sweep(runs, chunks, returns, variable_indexes, labels, feeds)
-    sums: tuple = ()
-    if not sweep.clean:
-        # Sums TensorFlow adds in arrival order: each is checked from
-        # identical terms, then fed, at the original's value, into both
-        # graphs, so that everything after it is compared from identical
-        # inputs too.
-        accumulated = _accumulators(o_nodes, r_nodes, match, sizes)
-        if accumulated:
-            feeds = dict(zip((a.tensor for a, _ in accumulated),
-                             first.values([a.tensor for a, _ in accumulated])))
-            checks = _check_sums(runs, accumulated, feeds, sizes, chunk_bytes)
-            failed = next((c for c in checks if not c.same_terms), None)
-            if failed is not None:
-                result = dict(base, **_fields(sweep, variable_indexes, returns),
-                              sums_checked=len(checks))
-                return _sum_differs(failed, result, notes, runs, o_nodes, r_nodes,
-                                    feeds, start)
-            sums = tuple(c.sum for c in checks if c.reordered)
-            again = _sweep(runs, chunks, returns, variable_indexes, labels, feeds)
-            if again.clean and sums:
-                result = dict(base, **_fields(again, variable_indexes, returns),
-                              sums_checked=len(checks), ordered_sums=sums)
+    accumulated = _accumulators(o_nodes, r_nodes, match) if not sweep.clean else []
+    if accumulated:
+        # Sums TensorFlow adds in arrival order: both graphs are run again
+        # with each such sum set, once its additions are done, to the
+        # original's value, so that everything after it is compared from
+        # identical inputs; each sum is checked from identical terms.
+        settled = (make(settle(first.graph_def, [a for a, _ in accumulated])),
+                   make(settle(second.graph_def, [a for _, a in accumulated])))
+        values = first.values([a.tensor for a, _ in accumulated])
+        feeds = {settled_value(a.sum): v for (a, _), v in zip(accumulated, values)}
+        del values
+        checks = _check_sums(settled, accumulated, feeds, sizes, chunk_bytes)
+        failed = next((c for c in checks if not c.same_terms), None)
+        if failed is not None:
+            result = dict(base, **_fields(sweep, variable_indexes, returns),
+                          sums_checked=len(checks))
+            return _sum_differs(failed, result, notes, settled, o_nodes, r_nodes,
+                                feeds, start)
+        sums = tuple(c.sum for c in checks if c.reordered)
+        again = _sweep(settled, chunks, returns, variable_indexes, labels, feeds)
+        if again.clean and sums:
+            result = dict(base, **_fields(again, variable_indexes, returns),
+                          sums_checked=len(checks), ordered_sums=sums)
+            notes.append(_SUMS_NOTE)
+            return _finish(core.IDENTICAL_UP_TO_SUM_ORDER, result, notes, runs + settled,
+                           start)
+        if not again.clean:
+            sweep, runs = again, settled
+            base.update(sums_checked=len(checks), ordered_sums=sums)
+            if sums:
                 notes.append(_SUMS_NOTE)
-                return _finish(core.IDENTICAL_UP_TO_SUM_ORDER, result, notes, runs, start)
-            if not again.clean:
-                sweep = again
-                base.update(sums_checked=len(checks), ordered_sums=sums)
-                if sums:
-                    notes.append(_SUMS_NOTE)
-            else:
-                feeds = {}
+        else:
+            feeds = {}
+    first = runs[0]
     result = dict(base, **_fields(sweep, variable_indexes, returns))
     if sweep.clean:
         return _finish(core.IDENTICAL, result, notes, runs, start)
@@ -498,9 +507,67 @@ def _compare(runs: tuple, labels: Mapping[int, str], chunk_bytes: int, check_rep
     return _finish(core.DIFFERENT, result, notes, runs, start)
 
 
+# The nodes settle() adds per sum, under PREFIX.
+SETTLED_VALUE, SETTLED_OWN, SETTLED_SET = "value", "own", "set"
+
+
+def settled_value(sum_node: str) -> str:
+    """The tensor settle() feeds a sum's value through."""
+    return f"{PREFIX}/{SETTLED_VALUE}/{sum_node}:0"
+
+
+def settled_own(sum_node: str) -> str:
+    """The tensor that holds a settled sum's own value, before it is set."""
+    return f"{PREFIX}/{SETTLED_OWN}/{sum_node}:0"
+
+
+def settle(graph_def, accumulated: Sequence[core.Accumulator]):
+    """A copy of a graph in which each accumulator, once its additions are
+    done, copies its own sum aside (`settled_own`) and is then set to a
+    value fed through `settled_value`, before its DestroyTemporaryVariable
+    hands the sum on.
+
+    The sum's readers then read that value in the variable's own buffer,
+    as they read the sum: a fed tensor itself is never handed over for
+    in-place reuse, and an AddN among its readers would forward, and so
+    add in, another order (sntf.graph.accumulations).
+
+    Args:
+      graph_def: the graph (a function body).
+      accumulated: its accumulators.
+
+    Returns:
+      The new GraphDef.
+    """
+    from tensorflow.core.framework import graph_pb2
+
+    out = graph_pb2.GraphDef()
+    out.CopyFrom(graph_def)
+    nodes = {n.name: n for n in out.node}
+    for acc in accumulated:
+        destroy = nodes[acc.sum]
+        ref = next(t for t in destroy.input if not t.startswith("^"))
+        dtype = destroy.attr["T"].type
+        value = out.node.add(name=f"{PREFIX}/{SETTLED_VALUE}/{acc.sum}", op="Placeholder",
+                             device=destroy.device)
+        value.attr["dtype"].type = dtype
+        own = out.node.add(name=f"{PREFIX}/{SETTLED_OWN}/{acc.sum}", op="DeepCopy",
+                           device=destroy.device,
+                           input=[ref] + [f"^{u}" for u, _, _ in acc.updates])
+        own.attr["T"].type = dtype
+        assign = out.node.add(name=f"{PREFIX}/{SETTLED_SET}/{acc.sum}", op="Assign",
+                              device=destroy.device,
+                              input=[ref, value.name, f"^{own.name}"])
+        assign.attr["T"].type = dtype
+        assign.attr["use_locking"].b = True
+        assign.attr["validate_shape"].b = True
+        destroy.input.append(f"^{assign.name}")
+    return out
+
+
 _SUMS_NOTE = ("each sum added in a fixed order was checked from the same terms in both "
               "graphs (added in the rewritten graph's order, they give its bits), then "
-              "fed into both graphs at the original's value: every other tensor was "
+              "set in both graphs to the original's value: every other tensor was "
               "compared from identical inputs")
 
 
@@ -516,8 +583,7 @@ def _fields(sweep: _Sweep, variable_indexes: list, returns: list) -> dict:
                 outputs_compared=len(returns), chunks_run=sweep.chunks_run)
 
 
-def _accumulators(o_nodes: list, r_nodes: list, match: core.Correspondence,
-                  sizes: Mapping[str, Optional[int]]) -> list:
+def _accumulators(o_nodes: list, r_nodes: list, match: core.Correspondence) -> list:
     """(original, rewritten) Accumulator of every sum both graphs compute
     as a comparable tensor outside loops and branches, in the original
     graph's order."""
@@ -552,8 +618,8 @@ class _SumCheck:
 
 def _check_sums(runs: tuple, accumulated: list, feeds: Mapping[str, np.ndarray],
                 sizes: Mapping[str, Optional[int]], chunk_bytes: int) -> list:
-    """Checks each accumulator from identical inputs (every accumulator's
-    sum fed at the original's value): its terms are the original's, bit for
+    """Checks each accumulator from identical inputs (both graphs settled,
+    every accumulator set to the original's sum): its terms are the original's, bit for
     bit; and added in the order the rewritten graph holds, from its zeroed
     value, they give the rewritten graph's sum exactly. An addition that
     runs before the zeroing, or out of the held order, fails the second.
@@ -567,11 +633,9 @@ def _check_sums(runs: tuple, accumulated: list, feeds: Mapping[str, np.ndarray],
         fetch = ([], [])
         for o_acc, r_acc in group:
             for side, acc in ((0, o_acc), (1, r_acc)):
-                # A fetched ref shares its variable's buffer: read after the
-                # step, an addition's output is the accumulator's sum.
                 fetch[side].extend([t for t in (acc.init_value,) if t]
                                    + [term for _, _, term in acc.updates]
-                                   + [f"{acc.updates[-1][0]}:0"])
+                                   + [settled_own(acc.sum)])
         o_fetch, r_fetch = (list(dict.fromkeys(f)) for f in fetch)
         o_digests = dict(zip(o_fetch, first.run(o_fetch, feeds=feeds)[0]))
         r_values = dict(zip(r_fetch, second.values(r_fetch, feeds)))
@@ -584,8 +648,8 @@ def _check_sums(runs: tuple, accumulated: list, feeds: Mapping[str, np.ndarray],
 def _check_sum(o_acc: core.Accumulator, r_acc: core.Accumulator, o_digests: dict,
                r_values: dict) -> _SumCheck:
     """_check_sums for one accumulator, from the fetched values."""
-    o_final = o_digests[f"{o_acc.updates[-1][0]}:0"]
-    r_final = r_values[f"{r_acc.updates[-1][0]}:0"]
+    o_final = o_digests[settled_own(o_acc.sum)]
+    r_final = r_values[settled_own(r_acc.sum)]
     digests = (o_final.hex(), core.digest(r_final).hex())
 
     def failed(why: str) -> _SumCheck:
