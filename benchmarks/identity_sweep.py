@@ -1,20 +1,28 @@
-"""The identity sweep: do ResNets train bit for bit alike with and without sntf?
+"""The identity sweep: does sntf keep TensorFlow's results on deep ResNets?
 
     python benchmarks/identity_sweep.py [--archs pre,post] [--blocks 10,30,50,100]
                                         [--widths 16,64] [--batches 8,64]
                                         [--bias true,false] [--onednn 1,0]
                                         [--policies swap,recompute,swap+recompute]
-                                        [--steps 3] [--out identity_sweep.md]
+                                        [--steps 4] [--max_minutes 20]
+                                        [--results benchmarks/results/identity_sweep.jsonl]
+    python benchmarks/identity_sweep.py --table [--results ...]
 
 For every combination it trains `steps` steps of the ResNet of
-sntf/testing/workers/resnet_identity.py (pre- or post-activation blocks;
-op determinism on, one inter-op thread) in fresh processes: once without
-sntf, then once per policy, and compares the losses and a digest of every
-weight. A row per policy run: identical or DIFFERENT, what the pass did
-with the graph (rewritten, or left unchanged because TensorFlow sums some
-of its gradients in an order it decides as it runs), the order-dependent
-sums it found, and its planned and predicted peaks. Progress goes to
-stdout; the table and the command go to --out.
+sntf/testing/workers/resnet_identity.py (pre- or post-activation blocks; op
+determinism on, one inter-op thread) in fresh processes: once without sntf,
+then once per policy, each followed by sntf.verify of that policy's rewrite
+on the same batch. It appends one JSON row per policy run to the results
+file: the verifier's verdict (identical, identical up to the order of N
+sums, different), whether the losses and weights equal TensorFlow's bit for
+bit, the largest relative loss difference, what the pass did with the
+graph, its order-dependent sums, and its predicted and planned peaks and
+the measured one against TensorFlow's.
+
+A run resumes: a configuration already in the results file is skipped, and
+the run stops starting configurations after --max_minutes, so a sweep of
+hours goes in shards of one session each. --table prints the markdown table
+and the totals BENCHMARKS.md shows, generated from the results file.
 """
 
 from __future__ import annotations
@@ -31,7 +39,9 @@ from absl import app, flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "sntf", "testing", "workers", "resnet_identity.py")
+RESULTS = os.path.join(REPO, "benchmarks", "results", "identity_sweep.jsonl")
 MIB = float(1 << 20)
+SAME = ("identical", "identical_up_to_sum_order")
 
 FLAGS = flags.FLAGS
 
@@ -44,68 +54,140 @@ def _define_flags() -> None:
     flags.DEFINE_list("bias", ["true", "false"], "convolutions with biases")
     flags.DEFINE_list("onednn", ["1", "0"], "TF_ENABLE_ONEDNN_OPTS values")
     flags.DEFINE_list("policies", ["swap", "recompute", "swap+recompute"], "sntf policies")
-    flags.DEFINE_integer("steps", 3, "training steps per run")
-    flags.DEFINE_string("out", "identity_sweep.md", "markdown table to write")
+    flags.DEFINE_integer("steps", 4, "training steps per run")
+    flags.DEFINE_float("max_minutes", 20.0, "start no configuration after this long")
+    flags.DEFINE_string("results", RESULTS, "JSON-lines results file (appended)")
+    flags.DEFINE_bool("table", False, "print the table from the results file and exit")
 
 
-def _train(arch: str, blocks: str, width: str, batch: str, bias: str, onednn: str,
-           policy: str, steps: int) -> dict:
+def _train(config: dict, policy: str, steps: int) -> dict:
     """One configuration in a fresh process: its RESULT line, or an error."""
-    args = [sys.executable, WORKER, "--arch", arch, "--blocks", blocks, "--width", width,
-            "--batch", batch, "--steps", str(steps), "--policy", policy]
-    if bias == "false":
+    args = [sys.executable, WORKER, "--arch", config["arch"], "--blocks",
+            str(config["blocks"]), "--width", str(config["width"]), "--batch",
+            str(config["batch"]), "--steps", str(steps), "--policy", policy]
+    if not config["bias"]:
         args.append("--no-bias")
-    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=onednn, TF_CPP_MIN_LOG_LEVEL="2")
+    if policy != "none":
+        args.append("--verify")
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1" if config["onednn"] else "0",
+               TF_CPP_MIN_LOG_LEVEL="2")
+    if not config["onednn"]:
+        env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"      # the allocator keeps statistics
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:120]}
+    return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]}
 
 
-def _row(config: tuple, policy: str, base: dict, run: dict) -> str:
-    arch, blocks, width, batch, bias, onednn = config
-    cells = [arch, blocks, width, batch, bias, "on" if onednn == "1" else "off", policy]
+def _row(config: dict, policy: str, steps: int, base: dict, run: dict) -> dict:
+    """The results file's row of one policy run."""
+    row = dict(config, policy=policy, steps=steps)
     if "error" in run or "error" in base:
-        return "| " + " | ".join(cells + [f"error: {run.get('error') or base.get('error')}",
-                                          "", "", "", ""]) + " |"
-    same = (run["losses"], run["digest"]) == (base["losses"], base["digest"])
-    report = run["report"] or {}
-    sums = report.get("order_dependent_sums") or {}
-    peaks = (f"{report['predicted_peak_bytes'] / MIB:.1f} -> "
-             f"{report['planned_peak_bytes'] / MIB:.1f}"
-             if report.get("predicted_peak_bytes") and report.get("planned_peak_bytes")
-             else "")
-    return "| " + " | ".join(cells + [
-        "identical" if same else "**DIFFERENT**", str(report.get("action")),
-        str(report.get("nodes")),
-        f"{sums.get('accumulations', 0)} / {sums.get('pins', 0)}", peaks]) + " |"
+        row["error"] = run.get("error") or base.get("error")
+        return row
+    report = run.get("report") or {}
+    verified = run.get("verify") or {}
+    worst = max((abs(a - b) / max(abs(b), 1e-30)
+                 for a, b in zip(run["losses"], base["losses"])), default=0.0)
+    row.update(
+        verdict=verified.get("verdict"), ordered_sums=verified.get("ordered_sums", []),
+        bitwise=(run["losses"], run["digest"]) == (base["losses"], base["digest"]),
+        loss_rel_diff=worst, action=report.get("action"), nodes=report.get("nodes"),
+        swapped=report.get("swapped"), recomputed=report.get("recomputed"),
+        sums=report.get("order_dependent_sums"),
+        predicted_peak=report.get("predicted_peak_bytes"),
+        planned_peak=report.get("planned_peak_bytes"),
+        measured_peak=run.get("peak"), tensorflow_peak=base.get("peak"))
+    if verified.get("verdict") not in SAME:
+        row["verify_text"] = verified.get("text")
+    return row
+
+
+def _key(row: dict) -> tuple:
+    return tuple(row[k] for k in ("arch", "blocks", "width", "batch", "bias", "onednn",
+                                  "policy", "steps"))
+
+
+def _load(path: str) -> list:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def table(rows: list) -> str:
+    """The markdown table of the results and its totals."""
+    head = ("| block | blocks | width | batch | bias | oneDNN | policy | verdict | "
+            "bitwise | loss rel. diff | graph | swapped / recomputed | "
+            "predicted -> planned MiB | measured / TensorFlow's peak |\n"
+            "| --- | ---: | ---: | ---: | --- | --- | --- | --- | --- | ---: | --- | ---: "
+            "| ---: | ---: |")
+    lines, counts = [], {"rows": len(rows), "identical": 0, "up to sum order": 0,
+                         "different": 0, "error": 0, "rewritten": 0}
+    for r in rows:
+        cells = [r["arch"], str(r["blocks"]), str(r["width"]), str(r["batch"]),
+                 "yes" if r["bias"] else "no", "on" if r["onednn"] else "off", r["policy"]]
+        if "error" in r:
+            counts["error"] += 1
+            lines.append("| " + " | ".join(cells + [f"error: {r['error']}"] + [""] * 6) + " |")
+            continue
+        verdict = r["verdict"]
+        if verdict == "identical":
+            counts["identical"] += 1
+        elif verdict == "identical_up_to_sum_order":
+            counts["up to sum order"] += 1
+            verdict = f"up to the order of {len(r['ordered_sums'])} sum(s)"
+        else:
+            counts["different"] += 1
+            verdict = f"**{verdict}**"
+        counts["rewritten"] += r["action"] == "rewritten"
+        peaks = (f"{r['predicted_peak'] / MIB:.1f} -> {r['planned_peak'] / MIB:.1f}"
+                 if r.get("predicted_peak") and r.get("planned_peak") else "")
+        measured = (f"{r['measured_peak'] / r['tensorflow_peak']:.3f}"
+                    if r.get("measured_peak") and r.get("tensorflow_peak") else "")
+        lines.append("| " + " | ".join(cells + [
+            verdict, "yes" if r["bitwise"] else "no", f"{r['loss_rel_diff']:.1e}",
+            str(r["action"]), f"{r['swapped']} / {r['recomputed']}", peaks, measured]) + " |")
+    total = (f"{counts['rows']} runs: {counts['identical']} identical, "
+             f"{counts['up to sum order']} identical up to the order of sums, "
+             f"{counts['different']} different, {counts['error']} failed; "
+             f"{counts['rewritten']} rewritten.")
+    return head + "\n" + "\n".join(lines) + "\n\n" + total + "\n"
 
 
 def main(argv) -> int:
     del argv
+    if FLAGS.table:
+        print(table(_load(FLAGS.results)))
+        return 0
     started = time.perf_counter()
-    header = ("| block | blocks | width | batch | bias | oneDNN | policy | verdict | "
-              "graph | nodes | accumulator edges / sum edges | predicted -> planned MiB |\n"
-              "| --- | ---: | ---: | ---: | --- | --- | --- | --- | --- | ---: | ---: | ---: |")
-    rows, different = [], 0
-    for config in itertools.product(FLAGS.archs, FLAGS.blocks, FLAGS.widths,
-                                    FLAGS.batches, FLAGS.bias, FLAGS.onednn):
-        base = _train(*config, "none", FLAGS.steps)
-        for policy in FLAGS.policies:
-            run = _train(*config, policy, FLAGS.steps)
-            row = _row(config, policy, base, run)
-            different += "DIFFERENT" in row or "error" in row
-            rows.append(row)
-            print(row, flush=True)
+    done = {_key(r) for r in _load(FLAGS.results)}
+    os.makedirs(os.path.dirname(FLAGS.results), exist_ok=True)
     command = "python benchmarks/identity_sweep.py " + " ".join(
         shlex.quote(a) for a in sys.argv[1:])
-    text = (f"`{command}` ({time.perf_counter() - started:.0f} s; one inter-op thread, "
-            f"op determinism on)\n\n{header}\n" + "\n".join(rows) + "\n\n"
-            f"{len(rows)} runs, {different} different or failed.\n")
-    with open(FLAGS.out, "w") as f:
-        f.write(text)
-    print(text)
+    print(command, flush=True)
+    different = 0
+    for arch, blocks, width, batch, bias, onednn in itertools.product(
+            FLAGS.archs, FLAGS.blocks, FLAGS.widths, FLAGS.batches, FLAGS.bias,
+            FLAGS.onednn):
+        config = {"arch": arch, "blocks": int(blocks), "width": int(width),
+                  "batch": int(batch), "bias": bias == "true", "onednn": onednn == "1"}
+        todo = [p for p in FLAGS.policies
+                if _key(dict(config, policy=p, steps=FLAGS.steps)) not in done]
+        if not todo:
+            continue
+        if time.perf_counter() - started > FLAGS.max_minutes * 60:
+            print("stopping: --max_minutes reached; run again to resume", flush=True)
+            break
+        base = _train(config, "none", FLAGS.steps)
+        for policy in todo:
+            row = _row(config, policy, FLAGS.steps, base, _train(config, policy, FLAGS.steps))
+            different += row.get("verdict") not in SAME
+            with open(FLAGS.results, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps({k: v for k, v in row.items() if k != "verify_text"}),
+                  flush=True)
     return 1 if different else 0
 
 

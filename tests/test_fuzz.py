@@ -433,6 +433,26 @@ def test_random_training_graphs_are_rewritten_correctly(fresh_python):
     assert counts.get(f"drawn, {fuzz_cases.DEEP_BLOCKS}+ residual blocks", 0) >= 10, counts
 
 
+@pytest.mark.parametrize("fault", [False, True])
+def test_the_verifier_oracle_passes_a_rewrite_and_names_a_wrong_one(fresh_python, fault):
+    """The oracle for graphs whose sums sntf holds to one order, which
+    small random cases seldom have (Grappler makes accumulators only near
+    the device's memory): sntf.verify_graphs on every rewritten training
+    graph, from the case's first step."""
+    spec = REGRESSIONS["sum order edge split a merged filter and bias gradient"]
+    args = ["--replay", json.dumps(spec), "--verify_all"] + (["--inject_fault"] if fault
+                                                              else [])
+    rc, result, output = _tool(fresh_python, *args)
+    assert result["rewritten"] and result["verified"] >= 1, output[-3000:]
+    if not fault:
+        assert rc == 0 and result["problems"] == [], output[-3000:]
+        return
+    verdicts = [p for p in result["problems"] if p.startswith("sntf.verify_graphs:")]
+    assert rc == 1 and verdicts, output[-3000:]
+    assert verdicts[0].startswith("sntf.verify_graphs: different at "), verdicts[0]
+    assert "fuzz_fault/neg:0" in verdicts[0] and "DIFFERENT" in verdicts[0]
+
+
 @pytest.mark.slow
 def test_deep_residual_chains_are_rewritten_correctly(fresh_python):
     """Every case ends in 30 or more residual blocks, where TensorFlow sums

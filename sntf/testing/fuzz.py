@@ -3,7 +3,7 @@
     python benchmarks/fuzz_pass.py [--cases 1000] [--seed 0] [--mode count|strict]
                                    [--policies recompute,swap,swap+recompute]
                                    [--replay SPEC_JSON] [--inject_fault] [--timeout S]
-                                   [--deep]
+                                   [--deep] [--verify_all]
     python -m sntf.testing.fuzz ...        (the same)
 
 Each case is a random training step: a DAG of dense or conv layers,
@@ -25,7 +25,11 @@ fractions, far beyond memory), swap_min_bytes and batch_size option. The
 checks, per case:
 
   * the outputs, gradients and updated variables of both steps are
-    bitwise identical (op determinism on);
+    bitwise identical (op determinism on), where no rewritten graph has
+    sums TensorFlow adds in arrival order (Grappler's accumulators); where
+    one has, sntf holds them to one order, and sntf.verify_graphs checks
+    that graph against the one Grappler handed over, from the first step's
+    values: its verdict must be "identical" or "identical_up_to_sum_order";
   * no sntf report is an error, and Grappler hands each graph to the pass
     at most twice (its meta-optimizer's iteration cap);
   * every graph the pass rewrote indexes cleanly (no missing inputs, no
@@ -66,7 +70,7 @@ from sntf.testing.fuzz_tally import Tally
 class Harness:
     """One process: sntf loaded once, the pass spied on, cases run in turn."""
 
-    def __init__(self, inject_fault: bool = False):
+    def __init__(self, inject_fault: bool = False, verify_all: bool = False):
         import tensorflow as tf
 
         cpu = tf.config.list_physical_devices("CPU")[0]
@@ -83,6 +87,9 @@ class Harness:
         logging.getLogger("sntf").setLevel(logging.ERROR)
         self.tf, self.sntf, self.passes = tf, sntf, passes
         self.inject_fault = inject_fault
+        # Check every rewritten training graph with the verifier too, not
+        # only those whose sums sntf holds to one order.
+        self.verify_all = verify_all
         self.captured: list = []
         self._original_run_pass = passes.run_pass
         passes.run_pass = self._spy
@@ -106,12 +113,16 @@ class Harness:
         from tensorflow.python.eager import cancellation
 
         step, variables = build(spec, self.tf)
+        concrete = step.get_concrete_function()
         # Cancellable, so that a deadlocked step (the watchdog cancels it)
         # fails that case instead of hanging the whole run.
         self.cancellation = cancellation.CancellationManager()
-        call = self.cancellation.get_cancelable_function(step.get_concrete_function())
+        call = self.cancellation.get_cancelable_function(concrete)
         outputs = []
+        self.first_inputs = None
         for x in inputs(spec):
+            if self.first_inputs is None:
+                self.first_inputs = _step_inputs(concrete, x)
             outputs += [t.numpy() for t in call(self.tf.constant(x))]
         return outputs + [v.numpy() for v in variables]
 
@@ -182,13 +193,17 @@ class Harness:
                     else "training with sntf raised")
             outcome["problems"].append(f"{what}:\n" + traceback.format_exc(limit=6))
             return outcome
-        if len(got) != len(reference):
-            outcome["problems"].append(f"{len(got)} results, expected {len(reference)}")
-        for n, (a, b) in enumerate(zip(reference, got)):
-            if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
-                outcome["problems"].append(f"result {n} differs (dtype {a.dtype}/"
-                                           f"{b.dtype}, shape {a.shape}/{b.shape})")
-                break
+        # Sums added in arrival order: TensorFlow's own step does not repeat
+        # its bits there, so the verifier checks the contract instead.
+        ordered = any(_holds_sums(c[4]) for c in self.captured)
+        checked = [c for c in self.captured if _holds_sums(c[4]) or (
+            self.verify_all and c[4].graph_def is not None and c[4].report.get("training"))]
+        for graph_bytes, _, _, _, result in checked:
+            outcome["problems"] += self.verify(graph_bytes, result.graph_def)
+        outcome["ordered_sums"] = ordered
+        outcome["verified"] = len(checked)
+        if not ordered:
+            outcome["problems"] += _bitwise(reference, got)
         for report in sntf.reports():
             if report["action"] == "error":
                 outcome["problems"].append(f"error report: {report['reason']}")
@@ -211,6 +226,19 @@ class Harness:
                                                     result.graph_def)
         self.captured.clear()
         return outcome
+
+    def verify(self, graph_bytes: bytes, rewritten) -> list[str]:
+        """The verifier's verdict on a rewritten graph from the first step's
+        values: a problem unless it is "identical" or
+        "identical_up_to_sum_order"."""
+        try:
+            result = self.sntf.verify_graphs(graph_bytes, rewritten, self.first_inputs)
+        except ValueError as e:
+            return [f"sntf.verify_graphs refused the case's graphs: {e}"]
+        if result.ok:
+            return []
+        return [f"sntf.verify_graphs: {result.verdict} at {result.first_op} "
+                f"({result.first_op_type}):\n{result}"]
 
     def check_graph(self, graph_bytes: bytes, fetch: list, preserve: list, state,
                     rewritten) -> list[str]:
@@ -260,6 +288,38 @@ class Harness:
             problems.append(f"second pass not idempotent: {again.report['action']} "
                             f"({again.report['reason']})")
         return problems
+
+
+def _bitwise(reference: list, got: list) -> list[str]:
+    """The problem, if any, with two runs' results not bit for bit alike."""
+    if len(got) != len(reference):
+        return [f"{len(got)} results, expected {len(reference)}"]
+    for n, (a, b) in enumerate(zip(reference, got)):
+        if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
+            return [f"result {n} differs (dtype {a.dtype}/{b.dtype}, shape "
+                    f"{a.shape}/{b.shape})"]
+    return []
+
+
+def _holds_sums(result) -> bool:
+    """Whether the pass handed back a training graph whose accumulators'
+    additions it chained in one order."""
+    sums = result.report.get("order_dependent_sums") or {}
+    return (result.graph_def is not None and bool(result.report.get("training"))
+            and bool(sums.get("accumulations")))
+
+
+def _step_inputs(concrete, x) -> dict:
+    """_Arg index -> value of a case's step before it runs on `x`: the data
+    argument, then each captured variable's value (as sntf.verify builds
+    them)."""
+    n_data = len(concrete.inputs) - len(concrete.captured_inputs)
+    by_handle = {id(v.handle): v for v in concrete.variables}
+    values = {0: x}
+    for k, t in enumerate(concrete.captured_inputs):
+        variable = by_handle.get(id(t))
+        values[n_data + k] = variable.numpy() if variable is not None else t.numpy()
+    return values
 
 
 def rebuilt_count(report: dict) -> int:
@@ -330,12 +390,12 @@ def _corrupt(graph_def) -> None:
 
 def run(cases: int, seed: int, policies=POLICIES, mode: str = "count",
         inject_fault: bool = False, progress: bool = True,
-        timeout: float = 120.0, deep: bool = False) -> Tally:
+        timeout: float = 120.0, deep: bool = False, verify_all: bool = False) -> Tally:
     """Runs `cases` hypothesis-generated cases in this process."""
     import hypothesis
     from hypothesis import HealthCheck, Phase, given, settings
 
-    harness = Harness(inject_fault=inject_fault)
+    harness = Harness(inject_fault=inject_fault, verify_all=verify_all)
     tally = Tally()
     phases = (Phase.generate,) if mode == "count" else (Phase.generate, Phase.shrink)
 
@@ -393,18 +453,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                       flag_values=fv)
     flags.DEFINE_float("timeout", 120.0, "seconds before a case counts as hung (exit 3)",
                        flag_values=fv)
+    flags.DEFINE_bool("verify_all", False, "check every rewritten training graph with "
+                      "sntf.verify_graphs too", flag_values=fv)
     fv(list(sys.argv if argv is None else argv))
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     start = time.perf_counter()
     if fv.replay:
-        harness = Harness(inject_fault=fv.inject_fault)
+        harness = Harness(inject_fault=fv.inject_fault, verify_all=fv.verify_all)
         outcome = harness.run_case(json.loads(fv.replay), timeout=fv.timeout)
         print("RESULT " + json.dumps(outcome, default=str))
         return 1 if outcome["problems"] else 0
     policies = tuple(p for p in fv.policies.split(",") if p)
     try:
         tally = run(fv.cases, fv.seed, policies, fv.mode, fv.inject_fault,
-                    progress=not fv.quiet, timeout=fv.timeout, deep=fv.deep)
+                    progress=not fv.quiet, timeout=fv.timeout, deep=fv.deep,
+                    verify_all=fv.verify_all)
         failed = None
     except Exception as e:  # noqa: BLE001 - strict mode: hypothesis re-raises
         tally, failed = None, e

@@ -50,6 +50,9 @@ class Tally:
             c["rewritten, gelu or swish"] += bool(acts & {"gelu", "swish"})
             c[f"rewritten, {DEEP_BLOCKS}+ residual blocks"] += (
                 spec.get("residual_blocks", 0) >= DEEP_BLOCKS)
+            # Held to one order and checked by the verifier, not bitwise.
+            c["rewritten, accumulators held in one order (verified)"] += bool(
+                outcome.get("ordered_sums"))
         c["with swaps"] += outcome["swapped"] > 0
         c["with recomputations"] += outcome["recomputed"] > 0
         c["with backward rebuilds"] += outcome["rebuilt"] > 0
