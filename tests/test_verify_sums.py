@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, run_python
-from sntf.verify import core
+from sntf.verify import sums
 from sntf.verify.core import Node
 
 R = ("float32_ref",)
@@ -44,7 +44,7 @@ def _accumulator(order, early=None, extra=()):
 
 
 def test_an_accumulator_held_in_one_order_is_found_in_that_order():
-    found = core.accumulators(_accumulator([2, 0, 1]))
+    found = sums.accumulators(_accumulator([2, 0, 1]))
     acc = found["sum"]
     assert acc.held and acc.why == ""
     assert [u[0] for u in acc.updates] == ["add_2", "add_0", "add_1"]
@@ -56,39 +56,39 @@ def test_an_accumulator_held_in_one_order_is_found_in_that_order():
 def test_additions_left_free_are_not_held():
     nodes = [n if n.name != "add_1" else Node("add_1", "AssignAdd", ("init", "t1"), "", R)
              for n in _accumulator([0, 1, 2])]
-    acc = core.accumulators(nodes)["sum"]
+    acc = sums.accumulators(nodes)["sum"]
     assert not acc.held and "either order" in acc.why
 
 
 def test_an_addition_before_the_zeroing_is_not_held():
-    acc = core.accumulators(_accumulator([0, 1, 2], early=0))["sum"]
+    acc = sums.accumulators(_accumulator([0, 1, 2], early=0))["sum"]
     assert not acc.held and "add_0" in acc.why and "zeroing" in acc.why
 
 
 def test_a_single_addition_is_no_order_dependent_sum():
     nodes = [n for n in _accumulator([0, 1, 2]) if n.name not in ("add_1", "add_2")]
-    assert core.accumulators(nodes) == {}
+    assert sums.accumulators(nodes) == {}
 
 
 def test_ordered_sum_adds_in_the_given_order_in_the_dtype():
     big, one = np.float32(1e8), np.float32(1.0)
     zero = np.zeros(1, np.float32)
     terms = [(1, np.array([one])), (1, np.array([big])), (-1, np.array([big]))]
-    assert core.ordered_sum(zero, terms)[0] == 0.0          # (1 + 1e8) - 1e8
-    assert core.ordered_sum(zero, terms[1:] + terms[:1])[0] == 1.0
-    assert core.ordered_sum(zero, terms).dtype == np.float32
+    assert sums.ordered_sum(zero, terms)[0] == 0.0          # (1 + 1e8) - 1e8
+    assert sums.ordered_sum(zero, terms[1:] + terms[:1])[0] == 1.0
+    assert sums.ordered_sum(zero, terms).dtype == np.float32
 
 
 def test_ordered_sum_flushes_denormals_as_tensorflow_does():
     tiny = np.finfo(np.float32).tiny
     denormal = np.array([tiny / 4, -tiny / 4], np.float32)
-    got = core.ordered_sum(np.zeros(2, np.float32), [(1, denormal)])
+    got = sums.ordered_sum(np.zeros(2, np.float32), [(1, denormal)])
     assert np.array_equal(got, [0.0, 0.0])            # not +-tiny / 4
     # Flushed to a zero of its sign.
-    assert np.signbit(core.ordered_sum(denormal, [])[1])
+    assert np.signbit(sums.ordered_sum(denormal, [])[1])
     # Two normals whose difference is a denormal.
     a, b = np.array([tiny * 1.5], np.float32), np.array([tiny], np.float32)
-    assert core.ordered_sum(a, [(-1, b)])[0] == 0.0
+    assert sums.ordered_sum(a, [(-1, b)])[0] == 0.0
 
 
 WORKER = os.path.join(REPO, "sntf", "testing", "workers", "sum_verdicts.py")

@@ -80,8 +80,9 @@ from absl import flags  # noqa: E402
 from sntf import config  # noqa: E402  (plain Python: no TensorFlow import)
 from sntf.runtime import environment  # noqa: E402  (likewise)
 from sntf.tools.dump_data import DumpError, first_batch, make_data  # noqa: E402
-from sntf.tools.dump_output import (dump_graph, one_line, summary_lines,  # noqa: E402
-                                     write_verify)
+from sntf.tools.dump_output import (NO_PLOT_NOTE, dump_graph, one_line,  # noqa: E402
+                                    plot_library_missing, summary_lines,
+                                    write_verify)
 
 PROG = "sntf_dump"
 MODEL_SUFFIXES = (".keras", ".h5", ".hdf5", ".py")
@@ -126,14 +127,6 @@ VERIFY_DIFFERS = 3
 VERIFY_NONDETERMINISTIC = 4
 
 HELP_ARGS = ("-h", "-?", "-help", "--help", "--helpshort", "--helpfull")
-
-# Said once before a run when matplotlib, sntf's optional extra "plot", is
-# missing: the dump then writes timeline.json but no timeline.png.
-NO_PLOT_NOTE = ("matplotlib is not installed, so no timeline.png (timeline.json "
-                "has its numbers); to draw it install sntf's extra: pip install "
-                "'sntf[plot]' (from a clone: pip install --no-build-isolation "
-                "'.[plot]')")
-
 
 @dataclasses.dataclass
 class Settings:
@@ -463,19 +456,6 @@ def verify_step(settings: Settings, model, x, y) -> int:
     if result.ok:
         return 0
     return VERIFY_NONDETERMINISTIC if result.verdict == "nondeterministic" else VERIFY_DIFFERS
-
-
-def plot_library_missing() -> bool:
-    """Whether matplotlib, which draws timeline.png, cannot be found.
-
-    Returns:
-      True when `import matplotlib` would fail (the extra "plot" is not
-      installed); the module is not imported.
-    """
-    try:
-        return importlib.util.find_spec("matplotlib") is None
-    except (ImportError, ValueError):
-        return True
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -6,6 +6,7 @@ Plain functions over the reports sntf keeps with keep_graphs=True.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -14,6 +15,27 @@ from typing import Optional
 MIB = float(1 << 20)
 GRAPH_FILES = ("original.pbtxt", "rewritten.pbtxt", "plan.json", "timeline.png",
                "timeline.json", "tensorboard/")
+
+
+# Said once before a run when matplotlib, sntf's optional extra "plot", is
+# missing: the dump then writes timeline.json but no timeline.png.
+NO_PLOT_NOTE = ("matplotlib is not installed, so no timeline.png (timeline.json "
+                "has its numbers); to draw it install sntf's extra: pip install "
+                "'sntf[plot]' (from a clone: pip install --no-build-isolation "
+                "'.[plot]')")
+
+
+def plot_library_missing() -> bool:
+    """Whether matplotlib, which draws timeline.png, cannot be found.
+
+    Returns:
+      True when `import matplotlib` would fail (the extra "plot" is not
+      installed); the module is not imported.
+    """
+    try:
+        return importlib.util.find_spec("matplotlib") is None
+    except (ImportError, ValueError):
+        return True
 
 
 def one_line(text, limit: int = 400) -> str:

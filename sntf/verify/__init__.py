@@ -95,14 +95,13 @@ def verify(model: Any, x: Any, y: Any = None, sample_weight: Any = None,
       budget: as sntf.enable's; not given: the budget in force (none while
         sntf is off).
       max_chunk_bytes: the most bytes of tensors one Session run fetches
-        from one graph (bytes or a size string): the verifier's own memory
-        on top of a step's.
+        from one graph (bytes or a size string), on top of a step's memory.
       **options: sntf options (sntf.enable's); not given: those in force.
 
     Returns:
-      A VerifyResult: `.verdict` ("identical", "identical_up_to_sum_order",
-      "different", "nondeterministic"; `.ok` is true for the first two),
-      `.first_op` and its inputs' digests, the counts; `str()` is the report.
+      A VerifyResult: `.verdict`, `.ok` (the first two of "identical",
+      "identical_up_to_sum_order", "different", "nondeterministic"),
+      `.first_op` and its inputs' digests; `str()` is the report.
 
     Raises:
       ValueError: a model that is not a compiled, built Keras model; a bad

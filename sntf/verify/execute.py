@@ -1,36 +1,30 @@
-"""The verifier's TensorFlow part: both graphs run in Sessions of their own,
-from the same variable values and inputs, and their tensors compared chunk
-by chunk (verify_graphs).
-
-A function body's GraphDef (what Grappler hands sntf) reads its inputs from
-`_Arg` nodes and returns through `_Retval` nodes, which only a function call
-frame serves. To run it in a tf.compat.v1.Session, each data `_Arg` becomes
-a Placeholder, each DT_RESOURCE `_Arg` a VarHandleOp of its own (initialised
-from the given value before every run), and each `_Retval` an Identity.
-The Sessions run with Grappler and TensorFlow's classic graph optimizer off
-(neither TensorFlow's optimizers nor sntf's plugin touch the graphs again;
-constant folding or CSE would merge a recomputed clone back into its
-source) and with one inter-op thread (one executor order per graph).
+"""The verifier's TensorFlow part: both graphs run in Sessions of their own
+(sntf.verify.session), from the same variable values and inputs, and their
+tensors compared chunk by chunk (verify_graphs); sums TensorFlow adds in
+arrival order are checked apart (sntf.verify.sum_check).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 
 from sntf.graph import names
 from sntf.verify import DEFAULT_CHUNK_BYTES, core
 from sntf.verify import result as verify_result
+from sntf.verify import sums
+from sntf.verify.session import ArgSpec, GraphRun, arg_specs
+from sntf.verify.sum_check import (SumCheck, check_sums, paired_accumulators, settle,
+                                   settled_value)
 
 # The accepted forms, for error messages.
 GRAPH_FORMS = "a tf.compat.v1.GraphDef (or its serialized bytes)"
 INPUT_FORMS = ("a mapping from each _Arg's index attr to its value: an array for a data "
                "argument, the variable's value (an array) before the step for a "
                "DT_RESOURCE argument")
-PREFIX = "sntf_verify"
 
 
 def _graph_def(value: Any, what: str):
@@ -46,210 +40,6 @@ def _graph_def(value: Any, what: str):
                              f"({type(e).__name__}: {e}); expected {GRAPH_FORMS}") from None
     raise ValueError(f"sntf.verify_graphs: {what} must be {GRAPH_FORMS}, got "
                      f"{type(value).__name__}")
-
-
-@dataclasses.dataclass(frozen=True)
-class ArgSpec:
-    """One _Arg of a function body.
-
-    Attributes:
-      index: its `index` attr (its place among the function's inputs).
-      name: the node's name.
-      dtype: its DataType enum (T).
-      handle_dtype: for a DT_RESOURCE argument, the DataType of the value
-        the handle holds (`_handle_dtypes`), else None.
-    """
-
-    index: int
-    name: str
-    dtype: int
-    handle_dtype: Optional[int]
-
-
-def arg_specs(graph_def) -> dict:
-    """index -> ArgSpec of every _Arg node of a GraphDef."""
-    from tensorflow.core.framework import types_pb2
-
-    out = {}
-    for node in graph_def.node:
-        if node.op != "_Arg":
-            continue
-        dtype = node.attr["T"].type
-        handle = None
-        if dtype == types_pb2.DT_RESOURCE:
-            listed = node.attr["_handle_dtypes"].list.type if "_handle_dtypes" in node.attr \
-                else []
-            handle = listed[0] if listed else None
-        out[node.attr["index"].i] = ArgSpec(node.attr["index"].i, node.name, dtype, handle)
-    return out
-
-
-def session_graph_def(graph_def, values: Mapping[int, np.ndarray]):
-    """A copy of a function body's GraphDef that a Session can run.
-
-    Each data _Arg becomes a Placeholder of its dtype and its value's shape,
-    each DT_RESOURCE _Arg a VarHandleOp of the value's dtype and shape with
-    a shared_name of its own, each _Retval an Identity. Names, inputs and
-    devices stay as they are, so every other node's inputs still resolve.
-
-    Args:
-      graph_def: the function body.
-      values: _Arg index -> its value (a variable's value for a resource).
-
-    Returns:
-      The new GraphDef.
-    """
-    import tensorflow as tf
-    from tensorflow.core.framework import graph_pb2, types_pb2
-
-    out = graph_pb2.GraphDef()
-    out.CopyFrom(graph_def)
-    for node in out.node:
-        if node.op == "_Arg":
-            index, dtype = node.attr["index"].i, node.attr["T"].type
-            value = values[index]
-            shape = tf.TensorShape(value.shape).as_proto()
-            node.ClearField("attr")
-            if dtype == types_pb2.DT_RESOURCE:
-                node.op = "VarHandleOp"
-                node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
-                node.attr["shape"].shape.CopyFrom(shape)
-                node.attr["container"].s = b""
-                node.attr["shared_name"].s = f"{PREFIX}_{index}_{node.name}".encode()
-            else:
-                node.op = "Placeholder"
-                node.attr["dtype"].type = dtype
-                node.attr["shape"].shape.CopyFrom(shape)
-        elif node.op == "_Retval":
-            dtype = node.attr["T"].type
-            node.op = "Identity"
-            node.ClearField("attr")
-            node.attr["T"].type = dtype
-    return out
-
-
-def session_config():
-    """Grappler and the classic graph optimizer off, one inter-op thread of
-    the Session's own, the process' intra-op threads."""
-    import tensorflow as tf
-
-    config = tf.compat.v1.ConfigProto(
-        inter_op_parallelism_threads=1, use_per_session_threads=True,
-        intra_op_parallelism_threads=tf.config.threading.get_intra_op_parallelism_threads(),
-        allow_soft_placement=True)
-    config.graph_options.rewrite_options.disable_meta_optimizer = True
-    options = config.graph_options.optimizer_options
-    options.opt_level = tf.compat.v1.OptimizerOptions.L0
-    options.do_common_subexpression_elimination = False
-    options.do_constant_folding = False
-    return config
-
-
-class GraphRun:
-    """One graph in a Session of its own, run step by step from the same
-    variable values: every run assigns them first."""
-
-    def __init__(self, graph_def, values: Mapping[int, np.ndarray], specs: Mapping[int, ArgSpec]):
-        import tensorflow as tf
-
-        self.graph_def = graph_def
-        self.graph = tf.Graph()
-        self._feeds: dict = {}
-        self._init_feeds: dict = {}
-        init, reads = [], []
-        with self.graph.as_default():
-            tf.graph_util.import_graph_def(session_graph_def(graph_def, values), name="")
-            for index in sorted(specs):
-                spec, value = specs[index], values[index]
-                tensor = self.graph.get_tensor_by_name(spec.name + ":0")
-                if spec.handle_dtype is None and tensor.dtype != tf.resource:
-                    self._feeds[tensor] = value
-                    continue
-                with tf.name_scope(f"{PREFIX}/init"):
-                    holder = tf.compat.v1.placeholder(value.dtype, value.shape)
-                    init.append(tf.raw_ops.AssignVariableOp(resource=tensor, value=holder))
-                with tf.name_scope(f"{PREFIX}/read"):
-                    reads.append(tf.raw_ops.ReadVariableOp(resource=tensor,
-                                                           dtype=holder.dtype))
-                self._init_feeds[holder] = value
-        self._init, self.reads = init, reads
-        returns = {n.name for n in graph_def.node if n.op == "_Retval"}
-        mine = {n.name for n in graph_def.node}
-        # What a function call runs (TensorFlow prunes a function body to the
-        # nodes its returns need plus its stateful nodes): the whole step,
-        # however few tensors a run fetches.
-        self.targets = [op for op in self.graph.get_operations()
-                        if op.name in mine and (op.name in returns or op.op_def.is_stateful)]
-        self.returns = sorted(returns)
-        self.session = tf.compat.v1.Session(graph=self.graph, config=session_config())
-        self.runs = 0
-
-    def nodes(self) -> list:
-        """The graph's nodes as core.Node values (outputs as the Session sees
-        them: a _Retval is an Identity with one output)."""
-        out = []
-        for n in self.graph_def.node:
-            op = self.graph.get_operation_by_name(n.name)
-            out.append(core.Node(n.name, n.op, tuple(n.input), names.role_of(n),
-                                 tuple(t.dtype.name for t in op.outputs)))
-        return out
-
-    def sizes(self) -> dict:
-        """"node:port" -> bytes of each output whose static shape is known."""
-        out = {}
-        for n in self.graph_def.node:
-            for t in self.graph.get_operation_by_name(n.name).outputs:
-                count = t.shape.num_elements() if t.shape.rank is not None else None
-                width = t.dtype.size if t.dtype.is_numeric or t.dtype.is_bool else None
-                out[t.name] = None if count is None or width is None else count * width
-        return out
-
-    def run(self, fetches: Sequence[str], variables: bool = False,
-            feeds: Optional[Mapping[str, np.ndarray]] = None) -> tuple:
-        """One step from the initial values, fetching `fetches`.
-
-        Args:
-          fetches: "node:port" names.
-          variables: also read every variable after the step.
-          feeds: "node:port" -> the value every reader of that tensor reads
-            instead of it (its producer still runs).
-
-        Returns:
-          (digests of the fetches, digests of the variables or []), each a
-          list of 32-byte sha256 digests in order. The values themselves are
-          dropped as soon as they are digested.
-        """
-        values = self.values(fetches, feeds)
-        fetched = [core.digest(v) for v in values]
-        del values
-        after = []
-        if variables:
-            after = [core.digest(v) for v in self.session.run(self.reads)]
-        return fetched, after
-
-    def values(self, fetches: Sequence[str],
-               feeds: Optional[Mapping[str, np.ndarray]] = None) -> list:
-        """One step from the initial values; the fetched values themselves
-        (a ref output's value is its variable's at the end of the step).
-
-        Args:
-          fetches: "node:port" names.
-          feeds: as run()'s.
-
-        Returns:
-          The values, numpy arrays in order.
-        """
-        self.session.run(self._init, self._init_feeds)
-        tensors = [self.graph.get_tensor_by_name(f) for f in fetches]
-        fed = dict(self._feeds)
-        for name, value in (feeds or {}).items():
-            fed[self.graph.get_tensor_by_name(name)] = value
-        values = self.session.run([tensors, self.targets], fed)[0]
-        self.runs += 1
-        return values
-
-    def close(self) -> None:
-        self.session.close()
 
 
 def _values(inputs: Any, specs: Mapping[int, ArgSpec]) -> dict:
@@ -448,7 +238,7 @@ def _compare(runs: tuple, labels: Mapping[int, str], chunk_bytes: int, check_rep
     variable_indexes = [i for i in order if i in _resource_indexes(first)]
     feeds: dict = {}
     sweep = _sweep(runs, chunks, returns, variable_indexes, labels, feeds)
-    accumulated = _accumulators(o_nodes, r_nodes, match) if not sweep.clean else []
+    accumulated = paired_accumulators(o_nodes, r_nodes, match) if not sweep.clean else []
     if accumulated:
         # Sums TensorFlow adds in arrival order: both graphs are run again
         # with each such sum set, once its additions are done, to the
@@ -459,7 +249,7 @@ def _compare(runs: tuple, labels: Mapping[int, str], chunk_bytes: int, check_rep
         values = first.values([a.tensor for a, _ in accumulated])
         feeds = {settled_value(a.sum): v for (a, _), v in zip(accumulated, values)}
         del values
-        checks = _check_sums(settled, accumulated, feeds, sizes, chunk_bytes)
+        checks = check_sums(settled, accumulated, feeds, sizes, chunk_bytes)
         failed = next((c for c in checks if not c.same_terms), None)
         if failed is not None:
             result = dict(base, **_fields(sweep, variable_indexes, returns),
@@ -507,64 +297,6 @@ def _compare(runs: tuple, labels: Mapping[int, str], chunk_bytes: int, check_rep
     return _finish(core.DIFFERENT, result, notes, runs, start)
 
 
-# The nodes settle() adds per sum, under PREFIX.
-SETTLED_VALUE, SETTLED_OWN, SETTLED_SET = "value", "own", "set"
-
-
-def settled_value(sum_node: str) -> str:
-    """The tensor settle() feeds a sum's value through."""
-    return f"{PREFIX}/{SETTLED_VALUE}/{sum_node}:0"
-
-
-def settled_own(sum_node: str) -> str:
-    """The tensor that holds a settled sum's own value, before it is set."""
-    return f"{PREFIX}/{SETTLED_OWN}/{sum_node}:0"
-
-
-def settle(graph_def, accumulated: Sequence[core.Accumulator]):
-    """A copy of a graph in which each accumulator, once its additions are
-    done, copies its own sum aside (`settled_own`) and is then set to a
-    value fed through `settled_value`, before its DestroyTemporaryVariable
-    hands the sum on.
-
-    The sum's readers then read that value in the variable's own buffer,
-    as they read the sum: a fed tensor itself is never handed over for
-    in-place reuse, and an AddN among its readers would forward, and so
-    add in, another order (sntf.graph.accumulations).
-
-    Args:
-      graph_def: the graph (a function body).
-      accumulated: its accumulators.
-
-    Returns:
-      The new GraphDef.
-    """
-    from tensorflow.core.framework import graph_pb2
-
-    out = graph_pb2.GraphDef()
-    out.CopyFrom(graph_def)
-    nodes = {n.name: n for n in out.node}
-    for acc in accumulated:
-        destroy = nodes[acc.sum]
-        ref = next(t for t in destroy.input if not t.startswith("^"))
-        dtype = destroy.attr["T"].type
-        value = out.node.add(name=f"{PREFIX}/{SETTLED_VALUE}/{acc.sum}", op="Placeholder",
-                             device=destroy.device)
-        value.attr["dtype"].type = dtype
-        own = out.node.add(name=f"{PREFIX}/{SETTLED_OWN}/{acc.sum}", op="DeepCopy",
-                           device=destroy.device,
-                           input=[ref] + [f"^{u}" for u, _, _ in acc.updates])
-        own.attr["T"].type = dtype
-        assign = out.node.add(name=f"{PREFIX}/{SETTLED_SET}/{acc.sum}", op="Assign",
-                              device=destroy.device,
-                              input=[ref, value.name, f"^{own.name}"])
-        assign.attr["T"].type = dtype
-        assign.attr["use_locking"].b = True
-        assign.attr["validate_shape"].b = True
-        destroy.input.append(f"^{assign.name}")
-    return out
-
-
 _SUMS_NOTE = ("each sum added in a fixed order was checked from the same terms in both "
               "graphs (added in the rewritten graph's order, they give its bits), then "
               "set in both graphs to the original's value: every other tensor was "
@@ -583,127 +315,14 @@ def _fields(sweep: _Sweep, variable_indexes: list, returns: list) -> dict:
                 outputs_compared=len(returns), chunks_run=sweep.chunks_run)
 
 
-def _accumulators(o_nodes: list, r_nodes: list, match: core.Correspondence) -> list:
-    """(original, rewritten) Accumulator of every sum both graphs compute
-    as a comparable tensor outside loops and branches, in the original
-    graph's order."""
-    original, rewritten = core.accumulators(o_nodes), core.accumulators(r_nodes)
-    paired = {p.original for p in match.pairs if p.kind == core.TENSOR}
-    position = {p.original: p.position for p in match.pairs}
-    out = [(original[name], acc) for name, acc in rewritten.items()
-           if name in original and acc.tensor in paired]
-    return sorted(out, key=lambda pair: position[pair[0].tensor])
-
-
-@dataclasses.dataclass(frozen=True)
-class _SumCheck:
-    """What the check of one sum found.
-
-    Attributes:
-      sum: the sum node.
-      same_terms: whether the rewritten graph adds the original's terms,
-        bit for bit, in one order it holds, and adding them in that order
-        gives its bits.
-      reordered: whether its bits differ from the original's all the same.
-      why: where not same_terms, why not.
-      digests: (original, rewritten) digests of the sum.
-    """
-
-    sum: str
-    same_terms: bool
-    reordered: bool
-    why: str
-    digests: tuple
-
-
-def _check_sums(runs: tuple, accumulated: list, feeds: Mapping[str, np.ndarray],
-                sizes: Mapping[str, Optional[int]], chunk_bytes: int) -> list:
-    """Checks each accumulator from identical inputs (both graphs settled,
-    every accumulator set to the original's sum): its terms are the original's, bit for
-    bit; and added in the order the rewritten graph holds, from its zeroed
-    value, they give the rewritten graph's sum exactly. An addition that
-    runs before the zeroing, or out of the held order, fails the second.
-
-    Returns:
-      A _SumCheck per accumulator, in order.
-    """
-    first, second = runs
-    out = []
-    for group in _sum_groups(accumulated, sizes, chunk_bytes):
-        fetch = ([], [])
-        for o_acc, r_acc in group:
-            for side, acc in ((0, o_acc), (1, r_acc)):
-                fetch[side].extend([t for t in (acc.init_value,) if t]
-                                   + [term for _, _, term in acc.updates]
-                                   + [settled_own(acc.sum)])
-        o_fetch, r_fetch = (list(dict.fromkeys(f)) for f in fetch)
-        o_digests = dict(zip(o_fetch, first.run(o_fetch, feeds=feeds)[0]))
-        r_values = dict(zip(r_fetch, second.values(r_fetch, feeds)))
-        for o_acc, r_acc in group:
-            out.append(_check_sum(o_acc, r_acc, o_digests, r_values))
-        del r_values
-    return out
-
-
-def _check_sum(o_acc: core.Accumulator, r_acc: core.Accumulator, o_digests: dict,
-               r_values: dict) -> _SumCheck:
-    """_check_sums for one accumulator, from the fetched values."""
-    o_final = o_digests[settled_own(o_acc.sum)]
-    r_final = r_values[settled_own(r_acc.sum)]
-    digests = (o_final.hex(), core.digest(r_final).hex())
-
-    def failed(why: str) -> _SumCheck:
-        return _SumCheck(r_acc.sum, False, o_final != core.digest(r_final), why, digests)
-
-    if not r_acc.held:
-        return failed(f"its additions are not held to one order: {r_acc.why}")
-    o_terms = {name: (op, term) for name, op, term in o_acc.updates}
-    r_terms = {name: (op, term) for name, op, term in r_acc.updates}
-    if set(o_terms) != set(r_terms):
-        extra = sorted(set(o_terms) ^ set(r_terms))
-        return failed(f"the graphs add other terms ({', '.join(extra[:4])})")
-    if not o_acc.init_value or o_digests[o_acc.init_value] != core.digest(
-            r_values[r_acc.init_value]):
-        return failed(f"its zeroing {r_acc.init} writes another value")
-    for name, (op, term) in r_terms.items():
-        if op != o_terms[name][0]:
-            return failed(f"{name} is {op} here, {o_terms[name][0]} in the original")
-        if o_digests[o_terms[name][1]] != core.digest(r_values[term]):
-            return failed(f"{name} adds other bits ({o_terms[name][1]} | {term})")
-    expected = core.ordered_sum(r_values[r_acc.init_value], [
-        (core.ACCUMULATOR_SIGNS[op], r_values[term]) for _, op, term in r_acc.updates])
-    if core.digest(expected) != core.digest(r_final):
-        return failed("its terms, added in the order the rewritten graph holds them, "
-                      "give other bits than it computed (an addition ran outside that "
-                      "order, or before the zeroing)")
-    return _SumCheck(r_acc.sum, True, o_final != core.digest(r_final), "", digests)
-
-
-def _sum_groups(accumulated: list, sizes: Mapping[str, Optional[int]],
-                chunk_bytes: int) -> list:
-    """The accumulators in groups whose fetched values (terms, zeroed value
-    and sum) stay within chunk_bytes, one accumulator at least per group."""
-    groups, current, used = [], [], 0
-    for o_acc, r_acc in accumulated:
-        cost = (len(r_acc.updates) + 2) * (sizes.get(r_acc.tensor) or 0)
-        if current and used + cost > chunk_bytes:
-            groups.append(current)
-            current, used = [], 0
-        current.append((o_acc, r_acc))
-        used += cost
-    if current:
-        groups.append(current)
-    return groups
-
-
-def _sum_differs(check: _SumCheck, result: dict, notes: list, runs: tuple, o_nodes: list,
+def _sum_differs(check: SumCheck, result: dict, notes: list, runs: tuple, o_nodes: list,
                  r_nodes: list, feeds: Mapping[str, np.ndarray],
                  start: float) -> verify_result.VerifyResult:
     """The verdict where a sum's check fails: the sum is the first op that
     differs from identical inputs; its terms are shown."""
     tensor = names.tensor_name(check.sum, 0)
-    pair = core.Pair(core.TENSOR, tensor, tensor, core.ACCUMULATOR_SUM, 0)
-    result.update(first_op=check.sum, first_op_type=core.ACCUMULATOR_SUM,
+    pair = core.Pair(core.TENSOR, tensor, tensor, sums.ACCUMULATOR_SUM, 0)
+    result.update(first_op=check.sum, first_op_type=sums.ACCUMULATOR_SUM,
                   first_tensor=tensor, first_original_tensor=tensor,
                   first_kind=core.TENSOR, first_digests=check.digests)
     result["inputs"] = _inputs(pair, runs, o_nodes, r_nodes, feeds)
