@@ -231,8 +231,9 @@ def _run(graph_def, index, state: config.State, report: dict,
         # does not give: its accumulators go back held to one order.
         rewritten = held.graph_def
         report["order_dependent_sums"] = held.fields()
-        plan = dataclasses.replace(plan, notes=plan.notes + (HELD_ALONE.format(
-            held.accumulations),))
+        # First: it is what the graph goes back with.
+        plan = dataclasses.replace(plan, notes=(HELD_ALONE.format(held.accumulations),)
+                                   + plan.notes)
     graph_def = original
     handed = rewritten if rewritten is not None else graph_def
     if state.options.keep_graphs:

@@ -226,6 +226,9 @@ def test_a_plan_that_saves_nothing_goes_back_held_only_under_determinism(determi
              for n in result.graph_def.node}
     assert before == after
     assert "held to one order" in report["reason"]
+    from sntf.runtime import plugin
+
+    assert plugin.short_reason(report).startswith("order-dependent sums held to one order")
     # Policy "off" inspects only.
     assert _pass_with_accumulator(True, policy="off").graph_def is None
 
