@@ -122,7 +122,8 @@ class Harness:
         self.first_inputs = None
         for x in inputs(spec):
             if self.first_inputs is None:
-                self.first_inputs = _step_inputs(concrete, x)
+                # Read only where the verifier needs them (verify()).
+                self.first_inputs = (concrete, x, {id(v.handle): v.numpy() for v in variables})
             outputs += [t.numpy() for t in call(self.tf.constant(x))]
         return outputs + [v.numpy() for v in variables]
 
@@ -232,7 +233,8 @@ class Harness:
         values: a problem unless it is "identical" or
         "identical_up_to_sum_order"."""
         try:
-            result = self.sntf.verify_graphs(graph_bytes, rewritten, self.first_inputs)
+            values = _step_inputs(*self.first_inputs)
+            result = self.sntf.verify_graphs(graph_bytes, rewritten, values)
         except ValueError as e:
             return [f"sntf.verify_graphs refused the case's graphs: {e}"]
         if result.ok:
@@ -309,16 +311,24 @@ def _holds_sums(result) -> bool:
             and bool(sums.get("accumulations")))
 
 
-def _step_inputs(concrete, x) -> dict:
+def _step_inputs(concrete, x, before: dict) -> dict:
     """_Arg index -> value of a case's step before it runs on `x`: the data
-    argument, then each captured variable's value (as sntf.verify builds
-    them)."""
+    argument, then each captured input's value (a variable's from `before`,
+    handle id -> value), as sntf.verify builds them.
+
+    Raises:
+      ValueError: a captured resource that is none of the case's variables.
+    """
     n_data = len(concrete.inputs) - len(concrete.captured_inputs)
-    by_handle = {id(v.handle): v for v in concrete.variables}
     values = {0: x}
     for k, t in enumerate(concrete.captured_inputs):
-        variable = by_handle.get(id(t))
-        values[n_data + k] = variable.numpy() if variable is not None else t.numpy()
+        if id(t) in before:
+            values[n_data + k] = before[id(t)]
+        elif t.dtype.is_numpy_compatible:
+            values[n_data + k] = t.numpy()
+        else:
+            raise ValueError(f"the step captures {t!r}, which is none of the case's "
+                             "variables")
     return values
 
 
