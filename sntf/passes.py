@@ -220,9 +220,8 @@ def _run(graph_def, index, state: config.State, report: dict,
         report["order_dependent_sums"] = sums.fields()
         rewritten = sums.graph_def if sums.code is None else None
         if rewritten is None:
-            plan = dataclasses.replace(plan, notes=plan.notes + (
-                sums.note() if not _held_alone(held, env) else sums.note().replace(
-                    "graph left unchanged", "plan dropped"),))
+            plan = dataclasses.replace(plan, notes=plan.notes + (sums.note(
+                "plan dropped" if _held_alone(held, env) else "graph left unchanged"),))
             report.update(planned_peak_bytes=report.get("predicted_peak_bytes"),
                           swapped=[], recomputed=[])
     if rewritten is None and base is not None and state.policy != "off" \

@@ -119,17 +119,24 @@ class SumsOutcome:
         return {"accumulations": self.accumulations, "pins": self.pins,
                 "lost": list(self.lost), "code": self.code}
 
-    def note(self) -> Optional[str]:
-        """The report's words for why the graph went back unchanged."""
+    def note(self, outcome: str = "graph left unchanged") -> Optional[str]:
+        """The report's words for why the plan was not applied.
+
+        Args:
+          outcome: what became of the graph instead.
+
+        Returns:
+          The note, or None where `code` is not set.
+        """
         if self.cause == ACCUMULATOR:
-            return (f"graph left unchanged (exact_sums=True): the additions of Grappler "
+            return (f"{outcome} (exact_sums=True): the additions of Grappler "
                     f"accumulator {self.detail!r} run in an order TensorFlow's executor "
                     "picks at run time, which a rewrite moves, so TensorFlow's bits "
                     "cannot be promised")
         if self.cause == FAILED:
-            return f"graph left unchanged: holding its sums in order failed: {self.detail}"
+            return f"{outcome}: holding its sums in order failed: {self.detail}"
         if self.cause == LOST:
-            return (f"graph left unchanged: the rewrite lets AddN {self.detail!r} sum "
+            return (f"{outcome}: the rewrite lets AddN {self.detail!r} sum "
                     "its inputs in another order")
         return None
 
