@@ -3,7 +3,7 @@
     python benchmarks/fuzz_pass.py [--cases 1000] [--seed 0] [--mode count|strict]
                                    [--policies recompute,swap,swap+recompute]
                                    [--replay SPEC_JSON] [--inject_fault] [--timeout S]
-                                   [--deep] [--verify_all]
+                                   [--deep] [--verify_all] [--results FILE]
     python -m sntf.testing.fuzz ...        (the same)
 
 Each case is a random training step: a DAG of dense or conv layers,
@@ -62,6 +62,7 @@ import traceback
 from typing import Any, Optional
 
 from sntf.testing.fuzz_cases import DEVICES, POLICIES, build, case_specs, inputs
+from sntf.testing import fuzz_tally
 from sntf.testing.fuzz_tally import Tally
 
 # ----------------------------------------------------------------- checking
@@ -428,22 +429,6 @@ def run(cases: int, seed: int, policies=POLICIES, mode: str = "count",
     return tally
 
 
-def table(summary: dict, wall: float) -> str:
-    """A markdown summary of a run."""
-    c = summary["counts"]
-    cases = max(summary["cases"], 1)
-    rows = [("cases", summary["cases"]), ("failures", summary["failures"]),
-            ("rewritten", f"{summary['rewritten']} ({summary['rewritten'] / cases:.0%})")]
-    rows += [(k, v) for k, v in sorted(c.items())
-             if k not in ("failures", "rewritten")]
-    rows += [(f"passed through: {k}", v) for k, v in
-             sorted(summary["passed_through"].items(), key=lambda kv: -kv[1])]
-    rows += [("seconds in cases", f"{summary['seconds']:.1f}"),
-             ("seconds per case", f"{summary['seconds'] / cases:.3f}"),
-             ("wall seconds", f"{wall:.1f}")]
-    return "\n".join(["| | |", "| --- | ---: |"] + [f"| {k} | {v} |" for k, v in rows])
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     """Command-line entry point; returns the exit status."""
     from absl import flags
@@ -465,7 +450,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                        flag_values=fv)
     flags.DEFINE_bool("verify_all", False, "check every rewritten training graph with "
                       "sntf.verify_graphs too", flag_values=fv)
+    flags.DEFINE_string("results", None, "append the run's totals as a JSON line to this "
+                        "file (benchmarks/results/fuzz.jsonl: one row per shard)",
+                        flag_values=fv)
+    flags.DEFINE_string("totals", None, "print the totals of a --results file's shards "
+                        "and exit", flag_values=fv)
     fv(list(sys.argv if argv is None else argv))
+    if fv.totals:
+        print(fuzz_tally.shard_totals(fv.totals))
+        return 0
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     start = time.perf_counter()
     if fv.replay:
@@ -481,27 +474,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         failed = None
     except Exception as e:  # noqa: BLE001 - strict mode: hypothesis re-raises
         tally, failed = None, e
-    return _report(tally, failed, fv, policies, time.perf_counter() - start)
-
-
-def _report(tally, failed, fv, policies, wall: float) -> int:
-    """Prints the run's table and RESULT line; returns the exit status."""
-    if failed is not None:
-        print(f"FAILED: {failed}", flush=True)
-        print("RESULT " + json.dumps({"failures": 1, "error": str(failed)[-4000:]}))
-        return 1
-    summary = tally.summary()
-    print(f"\nsntf fuzz: {fv.cases} cases, seed {fv.seed}, policies "
-          f"{','.join(policies)}, mode {fv.mode}\n")
-    print(table(summary, wall))
-    for entry in summary["failed_specs"]:
-        print("\nFAILED SPEC " + json.dumps(entry["spec"]))
-        for problem in entry["problems"]:
-            # A traceback's last line says what went wrong.
-            print("  " + problem.strip().splitlines()[-1])
-    summary["wall_seconds"] = wall
-    print("RESULT " + json.dumps(summary), flush=True)
-    return 1 if summary["failures"] else 0
+    return fuzz_tally.report(tally, failed, fv, policies, time.perf_counter() - start)
 
 
 if __name__ == "__main__":

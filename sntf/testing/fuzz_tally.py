@@ -1,10 +1,13 @@
 """What a fuzz run counts: per case, what was drawn and what the pass did
 with it, so that a run which never reaches a shape of network cannot pass
-for one that tested it (sntf.testing.fuzz)."""
+for one that tested it (sntf.testing.fuzz); the run's table, its RESULT
+line, and the totals of a results file's shards."""
 
 from __future__ import annotations
 
 import collections
+import json
+import os
 
 from sntf.testing.fuzz_cases import DEEP_BLOCKS
 
@@ -84,3 +87,76 @@ def _reason_kind(reason: str) -> str:
         if word in tail:
             return word
     return tail[:60]
+
+
+# ---------------------------------------------------------------- reporting
+def table(summary: dict, wall: float) -> str:
+    """A markdown summary of a run."""
+    c = summary["counts"]
+    cases = max(summary["cases"], 1)
+    rows = [("cases", summary["cases"]), ("failures", summary["failures"]),
+            ("rewritten", f"{summary['rewritten']} ({summary['rewritten'] / cases:.0%})")]
+    rows += [(k, v) for k, v in sorted(c.items())
+             if k not in ("failures", "rewritten")]
+    rows += [(f"passed through: {k}", v) for k, v in
+             sorted(summary["passed_through"].items(), key=lambda kv: -kv[1])]
+    rows += [("seconds in cases", f"{summary['seconds']:.1f}"),
+             ("seconds per case", f"{summary['seconds'] / cases:.3f}"),
+             ("wall seconds", f"{wall:.1f}")]
+    return "\n".join(["| | |", "| --- | ---: |"] + [f"| {k} | {v} |" for k, v in rows])
+
+
+def shard_totals(path: str) -> str:
+    """The markdown totals of the shards a --results file holds.
+
+    Args:
+      path: the JSON-lines file.
+
+    Returns:
+      A table: one row per shard (seed, cases, failures, rewritten, graphs
+      whose sums the verifier checked) and the totals.
+    """
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    lines = ["| seed | deep | cases | failures | rewritten | accumulators verified | seconds |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    total = collections.Counter()
+    for r in rows:
+        verified = r["counts"].get("rewritten, accumulators held in one order (verified)", 0)
+        lines.append(f"| {r['seed']} | {'yes' if r['deep'] else 'no'} | {r['cases']} | "
+                     f"{r['failures']} | {r['rewritten']} | {verified} | "
+                     f"{r['wall_seconds']:.0f} |")
+        total.update(cases=r["cases"], failures=r["failures"], rewritten=r["rewritten"],
+                     verified=verified)
+    lines.append(f"| total | | {total['cases']} | {total['failures']} | {total['rewritten']} "
+                 f"| {total['verified']} | |")
+    return "\n".join(lines)
+
+
+def report(tally, failed, fv, policies, wall: float) -> int:
+    """Prints the run's table and RESULT line; returns the exit status."""
+    if failed is not None:
+        print(f"FAILED: {failed}", flush=True)
+        print("RESULT " + json.dumps({"failures": 1, "error": str(failed)[-4000:]}))
+        return 1
+    summary = tally.summary()
+    print(f"\nsntf fuzz: {fv.cases} cases, seed {fv.seed}, policies "
+          f"{','.join(policies)}, mode {fv.mode}\n")
+    print(table(summary, wall))
+    for entry in summary["failed_specs"]:
+        print("\nFAILED SPEC " + json.dumps(entry["spec"]))
+        for problem in entry["problems"]:
+            # A traceback's last line says what went wrong.
+            print("  " + problem.strip().splitlines()[-1])
+    summary["wall_seconds"] = wall
+    print("RESULT " + json.dumps(summary), flush=True)
+    if fv.results:
+        # One row per shard: a long run goes in shards of fresh seeds.
+        row = {"seed": fv.seed, "cases": summary["cases"], "failures": summary["failures"],
+               "deep": fv.deep, "mode": fv.mode, "policies": list(policies),
+               "rewritten": summary["rewritten"], "counts": summary["counts"],
+               "failed_specs": summary["failed_specs"], "wall_seconds": wall}
+        os.makedirs(os.path.dirname(os.path.abspath(fv.results)), exist_ok=True)
+        with open(fv.results, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return 1 if summary["failures"] else 0
