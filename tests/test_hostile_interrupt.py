@@ -16,6 +16,10 @@ import pytest
 
 FIT = textwrap.dedent("""
     import json, os, signal, sys, time
+    # Ctrl-C as in a terminal: a process started in the background (a CI
+    # runner, a shell's `&`) inherits SIGINT ignored, and Python then raises
+    # no KeyboardInterrupt for it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import numpy as np
     import tensorflow as tf
     import keras
