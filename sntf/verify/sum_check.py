@@ -110,12 +110,19 @@ class SumCheck:
 
 
 def check_sums(runs: tuple, accumulated: list, feeds: Mapping[str, np.ndarray],
-                sizes: Mapping[str, Optional[int]], chunk_bytes: int) -> list:
-    """Checks each accumulator from identical inputs (both graphs settled,
-    every accumulator set to the original's sum): its terms are the original's, bit for
-    bit; and added in the order the rewritten graph holds, from its zeroed
-    value, they give the rewritten graph's sum exactly. An addition that
-    runs before the zeroing, or out of the held order, fails the second.
+               sizes: Mapping[str, Optional[int]], chunk_bytes: int) -> list:
+    """Checks each accumulator from identical inputs: its terms are the
+    original's, bit for bit; and added in the order the rewritten graph
+    holds, from its zeroed value, they give the rewritten graph's sum
+    exactly. An addition that runs before the zeroing, or out of the held
+    order, fails the second.
+
+    Args:
+      runs: the settled graphs' GraphRuns (original, rewritten).
+      accumulated: (original, rewritten) Accumulator pairs, in order.
+      feeds: settled_value(sum) -> the original's sum, for every sum.
+      sizes: "node:port" -> bytes (None where unknown).
+      chunk_bytes: the most bytes of values one run fetches from a graph.
 
     Returns:
       A SumCheck per accumulator, in order.
@@ -140,7 +147,7 @@ def check_sums(runs: tuple, accumulated: list, feeds: Mapping[str, np.ndarray],
 
 def _check_sum(o_acc: sums.Accumulator, r_acc: sums.Accumulator, o_digests: dict,
                r_values: dict) -> SumCheck:
-    """_check_sums for one accumulator, from the fetched values."""
+    """check_sums for one accumulator, from the fetched values."""
     o_final = o_digests[settled_own(o_acc.sum)]
     r_final = r_values[settled_own(r_acc.sum)]
     digests = (o_final.hex(), core.digest(r_final).hex())
