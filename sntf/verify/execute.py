@@ -157,7 +157,9 @@ def verify_graphs(original_graph_def: Any, rewritten_graph_def: Any, inputs: Map
         return run
 
     try:
-        return _compare(tuple(runs), labels, chunk_bytes, check_repeat, start, make)
+        result = _compare(tuple(runs[:2]), labels, chunk_bytes, check_repeat, start, make)
+        # Every Session's runs, the settled graphs' included.
+        return dataclasses.replace(result, runs=sum(r.runs for r in runs))
     finally:
         for run in runs:
             run.close()
@@ -262,8 +264,7 @@ def _compare(runs: tuple, labels: Mapping[int, str], chunk_bytes: int, check_rep
             result = dict(base, **_fields(again, variable_indexes, returns),
                           sums_checked=len(checks), ordered_sums=sums)
             notes.append(_SUMS_NOTE)
-            return _finish(core.IDENTICAL_UP_TO_SUM_ORDER, result, notes, runs + settled,
-                           start)
+            return _finish(core.IDENTICAL_UP_TO_SUM_ORDER, result, notes, start)
         if not again.clean:
             sweep, runs = again, settled
             base.update(sums_checked=len(checks), ordered_sums=sums)
@@ -274,7 +275,7 @@ def _compare(runs: tuple, labels: Mapping[int, str], chunk_bytes: int, check_rep
     first = runs[0]
     result = dict(base, **_fields(sweep, variable_indexes, returns))
     if sweep.clean:
-        return _finish(core.IDENTICAL, result, notes, runs, start)
+        return _finish(core.IDENTICAL, result, notes, start)
     if check_repeat:
         repeat = _repeat_check(first, sweep.found, sweep.chunk, sweep.digests[0], returns,
                                sweep.o_out, sweep.o_vars, variable_indexes, labels, o_nodes,
@@ -285,16 +286,16 @@ def _compare(runs: tuple, labels: Mapping[int, str], chunk_bytes: int, check_rep
                          "the same inputs (enable op determinism: "
                          "tf.config.experimental.enable_op_determinism()); no difference "
                          "can be blamed on the rewrite")
-            return _finish(core.NONDETERMINISTIC, result, notes, runs, start)
+            return _finish(core.NONDETERMINISTIC, result, notes, start)
     if sweep.found is None:
         notes.append("every fetched tensor matched, yet " + (
             f"{len(sweep.differing)} variable(s)" if sweep.differing else "the step's outputs")
             + " differ after the step run without fetches: fetching held tensors "
             "back from in-place reuse or changed the executor's order")
-        return _finish(core.DIFFERENT, result, notes, runs, start)
+        return _finish(core.DIFFERENT, result, notes, start)
     result.update(_first_fields(sweep.found, sweep.digests))
     result["inputs"] = _inputs(sweep.found, runs, o_nodes, r_nodes, feeds)
-    return _finish(core.DIFFERENT, result, notes, runs, start)
+    return _finish(core.DIFFERENT, result, notes, start)
 
 
 _SUMS_NOTE = ("each sum added in a fixed order was checked from the same terms in both "
@@ -327,7 +328,7 @@ def _sum_differs(check: SumCheck, result: dict, notes: list, runs: tuple, o_node
                   first_kind=core.TENSOR, first_digests=check.digests)
     result["inputs"] = _inputs(pair, runs, o_nodes, r_nodes, feeds)
     notes.append(f"sum {check.sum}, checked from identical inputs: {check.why}")
-    return _finish(core.DIFFERENT, result, notes, runs, start)
+    return _finish(core.DIFFERENT, result, notes, start)
 
 
 def _resource_indexes(run: GraphRun) -> set:
@@ -408,8 +409,8 @@ def _inputs(pair: core.Pair, runs: tuple, o_nodes: list, r_nodes: list,
     return tuple(out)
 
 
-def _finish(verdict: str, fields: dict, notes: list, runs: tuple,
+def _finish(verdict: str, fields: dict, notes: list,
             start: float) -> verify_result.VerifyResult:
+    """The result; verify_graphs counts the runs of every Session."""
     return verify_result.VerifyResult(verdict=verdict, notes=tuple(notes),
-                             runs=sum(r.runs for r in runs),
-                             seconds=time.perf_counter() - start, **fields)
+                                      seconds=time.perf_counter() - start, **fields)

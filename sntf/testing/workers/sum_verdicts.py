@@ -92,6 +92,7 @@ def main() -> None:
         out[label] = {"verdict": result.verdict, "ok": result.ok,
                       "first_op": result.first_op, "first_op_type": result.first_op_type,
                       "sums": list(result.ordered_sums), "checked": result.sums_checked,
+                      "runs": result.runs,
                       "inputs": [[i.slot, i.original, i.rewritten, i.same, i.via]
                                  for i in result.inputs],
                       "text": str(result)}
