@@ -455,7 +455,9 @@ def verify_step(settings: Settings, model, x, y) -> int:
     sys.stdout.flush()
     if result.ok:
         return 0
-    return VERIFY_NONDETERMINISTIC if result.verdict == "nondeterministic" else VERIFY_DIFFERS
+    from sntf.verify import NONDETERMINISTIC
+
+    return VERIFY_NONDETERMINISTIC if result.verdict == NONDETERMINISTIC else VERIFY_DIFFERS
 
 
 def main(argv: Optional[list] = None) -> int:
