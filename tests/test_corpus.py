@@ -3,7 +3,8 @@
 Every entry is a graph Grappler handed to the pass inside real training
 (seven model families, eight zoo architectures captured as users run them:
 oneDNN's rewrites on, a batched tf.data pipeline; fuzzer cases at three
-seeds), with what the pass read
+seeds; deep networks captured under the settings that once defeated a
+stage), with what the pass read
 around it; expected.json holds the digests of the rewritten graph, the plan
 (its KEEP decisions aside) and the report under each configuration. A
 change that means to alter plans re-records it with
@@ -74,3 +75,25 @@ def test_a_changed_pass_is_caught(monkeypatch):
     outcomes = _replay(name)
     assert any(got != want for _, want, got in outcomes
                if want["action"] == "rewritten" and want["recomputed"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in ENTRIES if n.startswith("deep-")])
+def test_deep_entries_replay_to_the_recorded_rewrites(name):
+    mismatches = [(key, want, got) for key, want, got in _replay(name) if got != want]
+    assert not mismatches, mismatches[:3]
+
+
+@pytest.mark.slow
+def test_a_deep_network_whose_weight_gradients_the_executor_defers_plans_near_its_bound():
+    """A 50-block pre-activation ResNet at oneDNN off with Grappler
+    accumulators: the executor defers its bias gradients to the end of the
+    backward pass, each keeping an output gradient alive. Judged in that
+    order the swap stage lowered nothing and was dropped (planned 143 MB
+    against a lower bound of 35); with weight gradients first it is
+    applied and swap+recompute plans within twice the bound, as with
+    oneDNN on."""
+    entry = corpus.load(os.path.join(FOLDER, "deep-preact50-accumulators.json.gz"))
+    report = corpus.run(entry, corpus.config("swap+recompute")).report
+    assert report["action"] == "rewritten" and report["swapped"], report["reason"]
+    assert report["planned_peak_bytes"] <= 2 * report["lower_bound_bytes"], report["reason"]

@@ -474,6 +474,40 @@ def test_a_rewritten_graph_runs_weight_gradients_first_where_that_plans_lower():
     assert finish.gradients_first(policies.Outcome(plan), ctx).plan is plan
 
 
+def test_a_stage_that_lowers_the_peak_only_with_weight_gradients_first_is_applied():
+    """A stage is judged in the executor's order, which defers weight
+    gradients; where its graph plans above the current one there, but below
+    it with weight gradients first, it is applied with those edges (a deep
+    ResNet's swaps, oneDNN off, were dropped this way)."""
+    import types
+
+    from sntf.planner import policies
+
+    deferred = _deferred_filter_gradient(filter_last=False)
+    ordered = _deferred_filter_gradient(filter_last=True)
+    plan = planner.Plan(policy="swap")
+
+    @dataclasses.dataclass(frozen=True)
+    class Proposing(policies.Stage):
+        def propose(self, base, ctx):
+            return plan, deferred
+
+    stage = Proposing("swap")
+    ctx = context()
+    # Above the current graph in the executor's order, below it ordered.
+    current = types.SimpleNamespace(peak=(deferred.peak + ordered.peak) // 2,
+                                    graph_def=None)
+    run = policies.Then((stage,)).run(current, ctx)
+    assert run.current is not current and run.current.peak < current.peak
+    assert [(o.before, o.after) for o in run.orders] == [("W", "I")]
+    assert any("so that swap lowers the peak" in n for n in run.notes)
+    # Where even the ordered graph plans no lower, the stage is not applied.
+    low = types.SimpleNamespace(peak=ordered.peak, graph_def=None)
+    run = policies.Then((stage,)).run(low, ctx)
+    assert run.current is low and run.orders == ()
+    assert any("planned but not applied" in n for n in run.notes)
+
+
 def test_a_stage_timed_twice_reports_both_times(monkeypatch):
     # The gradient edges and the pinned order are both timed as
     # "plan_order": the report gives their sum, not the last one's time.

@@ -497,6 +497,16 @@ def test_weight_gradients_are_ordered_before_the_input_gradient():
         w_device="/device:CPU:1"))) == ()
 
 
+def test_bias_gradients_are_ordered_first_only_where_onednn_does_not_fuse_them():
+    # Without oneDNN's graph pass the bias gradient is an op of its own,
+    # deferred by the executor like a filter gradient.
+    orders = planner.plan_gradient_order(G.build_index(gradient_step()), onednn=False)
+    assert {(o.before, o.after) for o in orders} == {("W", "I"), ("B", "I")}
+    # Never between the two weight gradients, which oneDNN would fuse.
+    assert planner.plan_gradient_order(G.build_index(gradient_step()), onednn=True) == (
+        planner.Order(before="W", after="I"),)
+
+
 def test_a_weight_gradient_downstream_of_its_reader_is_not_ordered_first():
     # W reads I's result (as a clone released by I would): W -> I would
     # close a cycle.

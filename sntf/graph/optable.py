@@ -246,6 +246,10 @@ def is_gradient_op(op: str) -> bool:
 WEIGHT_GRADIENT_OPS = {"Conv2DBackpropFilter": 2, "Conv2DBackpropFilterV2": 2,
                        "DepthwiseConv2dNativeBackpropFilter": 2,
                        "Conv3DBackpropFilterV2": 2}
+# Weight-gradient ops that oneDNN's graph pass fuses with the filter
+# gradient of the same output gradient (see INPUT_GRADIENT_OPS): ordered
+# like one only where that pass does not run.
+UNFUSED_WEIGHT_GRADIENT_OPS = {"BiasAddGrad": 0, "BiasAddGradV1": 0}
 # The readers made to wait for a weight gradient: the input gradients that
 # carry the backward chain on. Not BiasAddGrad: oneDNN's graph pass (on by
 # default on x86) fuses a filter gradient with the bias gradient of the

@@ -37,16 +37,11 @@ def gradients_first(outcome: Outcome, ctx: Context) -> Outcome:
     planned = outcome.planned
     if planned is None:
         return outcome
-    with ctx.timed("plan_order"):
-        try:
-            taken = {(o.before, o.after) for o in outcome.plan.orders}
-            orders = tuple(o for o in plan_gradient_order(planned.index)
-                           if (o.before, o.after) not in taken)
-            ordered = (ctx.evaluate(Plan(policy=outcome.plan.policy, orders=orders),
-                                    planned) if orders else None)
-        except Exception as e:  # noqa: BLE001 - an optional stage never fails a plan
-            return noted(outcome, f"order: gradient edges not applied: "
-                                   f"{type(e).__name__}: {e}")
+    try:
+        orders, ordered = gradient_ordered(planned, ctx, outcome.plan)
+    except Exception as e:  # noqa: BLE001 - an optional stage never fails a plan
+        return noted(outcome, f"order: gradient edges not applied: "
+                               f"{type(e).__name__}: {e}")
     if ordered is None or ordered.peak >= planned.peak:
         return outcome
     plan = outcome.plan
@@ -54,6 +49,19 @@ def gradients_first(outcome: Outcome, ctx: Context) -> Outcome:
         f"order: {len(orders)} weight gradient(s) run before the input gradient of "
         f"the same output gradient ({planned.peak} -> {ordered.peak} bytes)",))
     return dataclasses.replace(outcome, plan=plan, planned=ordered)
+
+
+def gradient_ordered(planned, ctx: Context, plan: Plan) -> tuple:
+    """(order edges, planned analyzed with them or None): each weight
+    gradient of an analyzed rewritten graph before the input gradient of the
+    same output gradient (order.plan_gradient_order), less the edges `plan`
+    already holds. Raises where the rewrite or its analysis fails."""
+    with ctx.timed("plan_order"):
+        taken = {(o.before, o.after) for o in plan.orders}
+        orders = tuple(o for o in plan_gradient_order(planned.index, ctx.onednn)
+                       if (o.before, o.after) not in taken)
+        return orders, (ctx.evaluate(Plan(policy=plan.policy, orders=orders), planned)
+                        if orders else None)
 
 
 def pinned(outcome: Outcome, base, ctx: Context) -> Outcome:

@@ -222,7 +222,7 @@ def segmented_recompute(base, ctx: Context, per_segment: int):
     note = (f"recompute (memory): {len(plan.recomputes)} tensor(s), checkpoint ops "
             f"re-run in segments of up to {per_segment}")
     plan = dataclasses.replace(plan, notes=(note, *plan.notes[1:]))
-    orders = order.plan_gradient_order(planned.index)
+    orders = order.plan_gradient_order(planned.index, ctx.onednn)
     if orders:
         ordered = dataclasses.replace(plan, orders=orders, notes=(
             f"{note}, {len(orders)} weight gradient edge(s) ordered first",

@@ -10,7 +10,7 @@ from sntf.graph.training import variable_access
 from sntf.planner.plan import Order
 
 
-def plan_gradient_order(g) -> tuple:
+def plan_gradient_order(g, onednn: bool = True) -> tuple:
     """Control edges that run each layer's weight gradient before the input
     gradient of the same output gradient.
 
@@ -24,17 +24,25 @@ def plan_gradient_order(g) -> tuple:
     gradient runs first and both tensors die as the chain passes the layer.
     Values are unchanged; only the order is.
 
+    A bias gradient is deferred the same way, keeping its output gradient
+    alive; it is ordered too where oneDNN's graph pass does not fuse it
+    with the filter gradient (optable.UNFUSED_WEIGHT_GRADIENT_OPS).
+
     Args:
       g: the graph index.
+      onednn: whether oneDNN's graph pass runs on the graph's device.
 
     Returns:
-      Order edges (filter gradient -> input gradient of the same output
+      Order edges (weight gradient -> input gradient of the same output
       gradient, see INPUT_GRADIENT_OPS), none that would close a cycle,
       cross devices or repeat an existing path.
     """
+    weight_ops = dict(optable.WEIGHT_GRADIENT_OPS)
+    if not onednn:
+        weight_ops.update(optable.UNFUSED_WEIGHT_GRADIENT_OPS)
     pairs = []
     for w, op in enumerate(g.ops):
-        slot = optable.WEIGHT_GRADIENT_OPS.get(op)
+        slot = weight_ops.get(op)
         if slot is None or len(g.data_inputs[w]) <= slot:
             continue
         producer, port = g.data_inputs[w][slot]
