@@ -53,7 +53,7 @@ def _activate(state: config.State) -> None:
     """The TensorFlow side of enabling: loads the ops, registers the plugin
     (once per process), sets the switch and installs the hooks that warn
     where sntf would do nothing. TensorFlow is imported by now."""
-    from sntf.runtime import environment, keras_hooks, native, noops, plugin
+    from sntf.runtime import environment, keras_hooks, limit_hooks, native, noops, plugin
 
     with _enable_lock:
         native.load_ops()
@@ -66,6 +66,7 @@ def _activate(state: config.State) -> None:
         config.set_state(state)
         noops.install()
         keras_hooks.install()
+        limit_hooks.install()
         environment.record_device_limits_if_initialized()
     noops.check_optimizer_options()
 

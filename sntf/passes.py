@@ -308,6 +308,9 @@ def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,
     if budget is not None:
         outcome = device_limit.refitted(outcome, base, room, ctx, state.policy, report["graph"])
         outcome = device_limit.cache_fitted(outcome, room)
+    elif state.options.pin_order:
+        outcome = device_limit.reordered(outcome, base, room, ctx, state.policy,
+                                          report["graph"])
     outcome, report["device_limit_fits"] = device_limit.checked(outcome, base, room,
                                                                 report["graph"])
     return outcome

@@ -145,9 +145,9 @@ def _warn_unread_limit(device: str, total: int) -> None:
     logger.warning(
         "budget fractions and 'auto' on %s resolve against the CUDA runtime's "
         "total of the current GPU (%d MiB), not TensorFlow's allocator limit for "
-        "%s: that limit is read when Keras fit() starts, or by sntf.enable() once "
-        "TensorFlow's devices exist. Call sntf.enable() after building the model, "
-        "or give the budget in bytes.", device, total >> 20, device)
+        "%s: that limit is read by the first training step sntf sees, or by "
+        "sntf.enable() once TensorFlow's devices exist. Call sntf.enable() after "
+        "building the model, or give the budget in bytes.", device, total >> 20, device)
 
 
 def allocator_limit(device: str) -> Optional[int]:
@@ -195,7 +195,8 @@ def _short_device(device: str) -> str:
 
 def record_device_limits() -> dict:
     """Reads the byte limit of every local device's allocator, once devices
-    exist (the Keras fit hook calls it before training): reading it runs a
+    exist (sntf.runtime.limit_hooks calls it before a training loop's first
+    step, the Keras fit hook before fit()): reading it runs a
     small op, which would initialize TensorFlow's devices if enable() did it
     (and so forbid the user's own tf.config device settings after it), and
     must not run inside Grappler's graph pass.
