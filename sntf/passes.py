@@ -308,7 +308,7 @@ def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,
     if budget is not None:
         outcome = device_limit.refitted(outcome, base, room, ctx, state.policy, report["graph"])
         outcome = device_limit.cache_fitted(outcome, room)
-    elif state.options.pin_order:
+    else:
         outcome = device_limit.reordered(outcome, base, room, ctx, state.policy,
                                           report["graph"])
     outcome, report["device_limit_fits"] = device_limit.checked(outcome, base, room,
@@ -330,7 +330,7 @@ def _context(state: config.State, env: Environment, budget: Optional[int], index
         budget_behaviour=state.options.budget_behaviour,
         min_gain=state.options.min_gain,
         stage_seconds=report["stage_seconds"],
-        pin_order=state.options.pin_order)
+        pin_order=state.options.pin_order, pin_allowed=state.options.pin_order)
 
 
 def _record_plan(outcome: planner.Outcome, base: Optional[Analyzed],

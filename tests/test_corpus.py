@@ -97,3 +97,22 @@ def test_a_deep_network_whose_weight_gradients_the_executor_defers_plans_near_it
     report = corpus.run(entry, corpus.config("swap+recompute")).report
     assert report["action"] == "rewritten" and report["swapped"], report["reason"]
     assert report["planned_peak_bytes"] <= 2 * report["lower_bound_bytes"], report["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in ENTRIES if n.startswith(("zoo-", "family-"))])
+def test_a_budget_no_plan_meets_gets_no_plan_above_any_policys(name):
+    """Policy "auto" under a budget it cannot meet applies the lowest plan
+    it finds, never one above a policy's own plan of the same graph (the
+    budget search alone planned a U-Net at 0.43 of its predicted peak and
+    swap+recompute at 0.34)."""
+    entry = corpus.load(os.path.join(FOLDER, name + ".json.gz"))
+    lowest = min(corpus.replay(entry, corpus.config(p))["planned_peak_bytes"]
+                 for p in ("swap", "recompute", "swap+recompute"))
+    predicted = corpus.replay(entry, corpus.config("off"))["predicted_peak_bytes"]
+    report = corpus.run(entry, corpus.config("auto", int(0.25 * predicted))).report
+    if report["budget_fits"]:
+        return   # met: the cheapest plan that fits, whatever its peak
+    assert report["planned_peak_bytes"] <= lowest, report["reason"]
+    assert report["achievable_peak_bytes"] == report["planned_peak_bytes"] or \
+        report["achievable_peak_bytes"] <= lowest

@@ -216,12 +216,13 @@ def test_where_the_allocator_model_runs_out_on_every_plan_the_lowest_is_taken(
     g, props = mlp_step(**WIDE_MLP)
     # Under a limit the plan holds the executor's order; without a budget
     # the planner may offer a memory-aware one, which this comparison
-    # leaves out.
+    # leaves out. The unmet budget's plan is the lowest of the budget
+    # search's and the policies' (policies._least_unmet): at most theirs.
     monkeypatch.setattr(finish, "memory_orders", lambda g, facts, held: ())
     lowest = passes.run_pass(g.SerializeToString(), ["ret"], [], config.State(
         enabled=True, policy="swap+recompute", budget=None,
         options=config.parse_options({})), properties_fn(props)).report
-    assert report["planned_peak_bytes"] == lowest["planned_peak_bytes"]
+    assert report["planned_peak_bytes"] <= lowest["planned_peak_bytes"]
     assert any("even as planned" in w for w in run.warnings), run.warnings
 
 

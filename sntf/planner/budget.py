@@ -294,7 +294,7 @@ def fit_budget(base, ctx: Context, name: str = "") -> Fitted:
     note = _budget_note(base, ctx, target, slack, choice, len(options))
     warning = None
     if not choice.fits:
-        warning = _unmet_warning(base, ctx, target, choice, name)
+        warning = unmet_warning(base, ctx, target, choice.peak, name)
         note += f"; {warning[len('sntf: '):]}"
         if ctx.budget_behaviour == "unchanged":
             return Fitted(identity_plan("auto", note), None, choice, candidates, warning)
@@ -326,13 +326,15 @@ def _budget_note(base, ctx: Context, target: int, slack: int, choice, options: i
             f"{choice.evaluations} plan(s) evaluated")
 
 
-def _unmet_warning(base, ctx: Context, target: int, choice, name: str) -> str:
+def unmet_warning(base, ctx: Context, target: int, peak: int, name: str) -> str:
+    """The warning logged once when no plan meets ctx.budget; peak: the
+    least planned peak found."""
     behaviour = ctx.budget_behaviour
     return (f"sntf: budget {ctx.budget} bytes cannot be met for graph "
             f"{name or '?'} (plan target {target} bytes, "
             f"budget_margin {ctx.budget_margin:g}): the least "
             "planned peak is "
-            f"{choice.peak} bytes (lower bound of any plan "
+            f"{peak} bytes (lower bound of any plan "
             f"{base.facts.lower_bound_bytes} bytes); "
             + ("applying that plan (budget_behaviour='best_effort')"
                if behaviour == "best_effort" else

@@ -54,6 +54,9 @@ class Context:
         budget or a
         device's allocator limit, where the plan's prediction decides what
         fits and must be one the run reaches.
+      pin_allowed: the user allows order edges at all (option pin_order);
+        pin_order may still be off where one inter-op thread runs the step
+        in the executor's order and a budget or device limit binds the plan.
       pool: ready ops may run side by side or in any order, as on
         TensorFlow's default inter-op pool; False where one inter-op thread
         runs the step in the order the analysis emulates.
@@ -74,6 +77,7 @@ class Context:
     stage_seconds: Optional[dict] = None
     pin_order: bool = True
     memory_order: bool = True
+    pin_allowed: bool = True
     pool: bool = True
 
     @contextlib.contextmanager

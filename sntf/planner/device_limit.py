@@ -137,7 +137,8 @@ def reordered(outcome: Outcome, base, room: DeviceRoom, ctx: Context, policy: st
     39 MB. A plan that runs out of memory anyway gains from the lower
     order: held by its edges, the run follows it."""
     first = outcome.planned or base
-    if not room.runs_out(first.facts) or (ctx.memory_order and ctx.pin_order):
+    if (not room.runs_out(first.facts) or not ctx.pin_allowed
+            or (ctx.memory_order and ctx.pin_order)):
         return outcome
     again = plan(policy, base, dataclasses.replace(ctx, memory_order=True, pin_order=True),
                  name)

@@ -262,7 +262,10 @@ def plan(policy: str, base, ctx: Context, name: str = "") -> Outcome:
                                    "policy 'off'"))
     if isinstance(composition, FitBudget):
         if ctx.budget is not None:
-            return _fitted_in_order(base, ctx, name)
+            fitted = _fitted_in_order(base, ctx, name)
+            if fitted.fields.get("budget_fits") or ctx.budget_behaviour != "best_effort":
+                return fitted
+            return _least_unmet(fitted, base, ctx, name, composition.fallback)
         composition = composition.fallback
     return _standing(_finished(policy, composition, base, ctx, {}), base, ctx, policy)
 
@@ -371,6 +374,46 @@ def _fitted_in_order(base, ctx: Context, name: str) -> Outcome:
     # keep errs far more than the edges' rise (the swish all-conv net's
     # plan, unchained, measured up to 1.23 times its budget).
     return held
+
+
+def _least_unmet(fitted: Outcome, base, ctx: Context, name: str, fallback) -> Outcome:
+    """Policy "auto" under a budget no plan of its search meets: the lowest
+    plan of the search and of its fallback composition, that composition
+    and of policy "recompute"'s, each planned in the executor's order and,
+    where order edges are allowed, held to a memory-aware order.
+
+    The search decides per buffer, in the executor's order; the
+    compositions' stages and orders reach plans it does not (a U-Net's
+    search planned 0.43 of its predicted peak under every budget below
+    0.7 of it, and swap+recompute 0.34). A budget that cannot be met asks
+    for the lowest plan sntf has, so it is never above one the policies
+    find. Such a plan is not said to fit: its order's prediction is the
+    one the executor's need not reach."""
+    def peak(o):
+        return (o.planned or base).peak
+
+    best, how = fitted, None
+    orders = [(ctx, "in the executor's order")]
+    if ctx.pin_allowed:
+        orders.append((dataclasses.replace(ctx, memory_order=True, pin_order=True),
+                       "held to a memory-aware order"))
+    for composition in (fallback, POLICIES["recompute"]):
+        for tried, label in orders:
+            outcome = _finished("auto", composition, base, tried, {})
+            if outcome is not None and outcome.planned is not None \
+                    and peak(outcome) < peak(best):
+                best, how = outcome, f"{composition.label} {label}"
+    if how is None:
+        return fitted
+    target = budget_planning.budget_target(base, ctx)
+    warning = budget_planning.unmet_warning(base, ctx, target, peak(best), name)
+    fields = {**fitted.fields, "budget_fits": False, "achievable_peak_bytes": peak(best),
+              "predicted_seconds_added": sum(d.seconds_added or 0.0 for d in acting(
+                  best.plan.decisions))}
+    best = noted(best, (f"auto: the budget search's least plan ({peak(fitted)} bytes) "
+                        f"is above {how} ({peak(best)} bytes), which is applied; "
+                        f"{warning[len('sntf: '):]}"))
+    return dataclasses.replace(best, fields=fields, warnings=(warning,))
 
 
 def _composed(policy: str, composition, base, ctx: Context, proposals: dict,
