@@ -698,18 +698,26 @@ def test_under_a_budget_the_edges_hold_the_executors_order():
     """The prediction of a budget plan sizes the tensor cache's headroom, so
     it must be one the run reaches: held to the memory-aware order, the
     zoo's SE-ResNet planned 0.82 of its measured peak at half TensorFlow's
-    and measured 1.11 times a budget it was said to fit. The ViT's recorded
-    budget took the memory-aware order before."""
+    and measured 1.11 times a budget it was said to fit. A budget no plan
+    meets sizes no cache (every swap copies) and takes the lowest plan,
+    which may hold a memory-aware order, never said to fit."""
     import os
 
     from sntf.testing import corpus
 
     entry = corpus.load(os.path.join(os.path.dirname(__file__), "corpus", "graphs",
                                      "zoo-vit.json.gz"))
-    report = corpus.run(entry, {"policy": "auto", "budget": 26646400,
-                                "options": {}}).report
-    assert report["action"] == "rewritten", report["reason"]
-    assert "to the planned order" in report["reason"], report["reason"]
+    met = corpus.run(entry, {"policy": "auto", "budget": 36000000, "options": {}}).report
+    assert met["action"] == "rewritten" and met["budget_fits"], met["reason"]
+    assert "to the planned order" in met["reason"], met["reason"]
+    assert "tensor cache: up to" in met["reason"], met["reason"]
+    # The recorded budget, which no plan meets.
+    unmet = corpus.run(entry, {"policy": "auto", "budget": 26646400,
+                               "options": {}}).report
+    assert unmet["action"] == "rewritten" and unmet["budget_fits"] is False
+    assert "memory-aware order" in unmet["reason"], unmet["reason"]
+    assert "every swap copies" in unmet["reason"], unmet["reason"]
+    assert unmet["planned_peak_bytes"] < met["planned_peak_bytes"]
 
 
 @pytest.mark.slow

@@ -28,14 +28,13 @@ def test_mixed_precision_is_rewritten_and_identical(fresh_python, tmp_path, fami
         # rewritten around the conditional (sntf.graph.regions).
         assert training, result["reports"]
         last = training[-1]
+        assert last["action"] == "rewritten", last
+        assert last["swapped"] or last["recomputed"], last
         if (family, precision, policy) == ("resnet", "mixed_float16", "recompute"):
-            # Under the loss-scale optimizer's tf.cond, recomputation planned
-            # higher than TensorFlow's own graph: the report says so.
-            assert last["action"] == "unchanged", last
-            assert "would not fall" in last["reason"], last["reason"]
-        else:
-            assert last["action"] == "rewritten", last
-            assert last["swapped"] or last["recomputed"], last
+            # Under the loss-scale optimizer's tf.cond, recomputation plans
+            # below TensorFlow's own graph only with the weight gradients
+            # run first (in the executor's order it planned higher).
+            assert "so that recompute lowers the peak" in last["reason"], last["reason"]
 
 
 def _train_model(fresh_python, out, model, *flags, env=None):
