@@ -71,11 +71,20 @@ def _ratios(base: dict, result: dict) -> str:
             f"{result['seconds_per_step'] / base['seconds_per_step']:.2f}")
 
 
+def _planned(result: dict) -> str:
+    """sntf's planned peak and whether its allocator model fits the plan
+    under the limit (the report's device_limit_fits)."""
+    plan = result.get("plan") or {}
+    if plan.get("planned_peak_bytes") is None:
+        return " | "
+    return f"{plan['planned_peak_bytes'] / MIB:.1f} | {plan.get('device_limit_fits')}"
+
+
 def rows(example, name: str, fractions: list, steps: int) -> list:
     """Table rows for one architecture: the unlimited run, then one row per
     fraction with TensorFlow's and sntf's outcome under that limit."""
     base = example.run("tensorflow", name, steps)
-    out = [f"| {name} | no limit | {_cell(base)} | | | | |"]
+    out = [f"| {name} | no limit | {_cell(base)} | | | | | | |"]
     if "peak_bytes" not in base:
         return out
     for fraction in fractions:
@@ -84,7 +93,7 @@ def rows(example, name: str, fractions: list, steps: int) -> list:
         with_sntf = example.run("sntf", name, steps, limit)
         out.append(f"| {name} | {fraction:g} × = {limit} MiB | {_cell(alone)} | "
                    f"{_cell(with_sntf)} | {_ratios(base, with_sntf)} | "
-                   f"{_identical(base, with_sntf)} |")
+                   f"{_identical(base, with_sntf)} | {_planned(with_sntf)} |")
         print(out[-1], flush=True)
     return out
 
@@ -97,8 +106,8 @@ def main(argv) -> int:
     example = _example()
     start = time.time()
     lines = ["| model | limit | TensorFlow alone | sntf.enable() | peak / TF peak "
-             "| step time / TF | identical |",
-             "| --- | --- | --- | --- | ---: | ---: | --- |"]
+             "| step time / TF | identical | planned MiB | fits (model) |",
+             "| --- | --- | --- | --- | ---: | ---: | --- | ---: | --- |"]
     for name in args.models:
         lines += rows(example, name, fractions, args.steps)
     table = "\n".join(lines) + f"\n\n{time.time() - start:.0f} s in all.\n"

@@ -62,7 +62,8 @@ def train(with_sntf: bool, name: str, steps: int) -> None:
         history = model.fit(data, epochs=1, verbose=0, shuffle=False,
                             callbacks=[StepTimes()])
     except tf.errors.ResourceExhaustedError as e:
-        print("RESULT " + json.dumps({"out_of_memory": str(e).splitlines()[0][:200]}))
+        print("RESULT " + json.dumps({"out_of_memory": str(e).splitlines()[0][:200],
+                                      "plan": _plan(with_sntf)}))
         return
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     # The first step traces and rewrites the graph: the median of the others.
@@ -70,7 +71,22 @@ def train(with_sntf: bool, name: str, steps: int) -> None:
     print("RESULT " + json.dumps({"peak_bytes": peak, "loss": history.history["loss"],
                                   "seconds_per_step": later[len(later) // 2],
                                   "weights": [w.numpy().tobytes().hex()[:64]
-                                              for w in model.weights]}))
+                                              for w in model.weights],
+                                  "plan": _plan(with_sntf)}))
+
+
+def _plan(with_sntf: bool) -> dict:
+    """What sntf planned for the training step: its planned peak, and
+    whether its model of the allocator fits that plan under the limit."""
+    if not with_sntf:
+        return {}
+    import sntf
+
+    training = [r for r in sntf.reports() if r.get("training")]
+    if not training:
+        return {}
+    return {k: training[-1].get(k) for k in ("planned_peak_bytes", "device_limit_fits",
+                                             "lower_bound_bytes")}
 
 
 def run(child: str, name: str, steps: int, limit_mib=None) -> dict:
