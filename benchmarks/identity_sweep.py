@@ -38,6 +38,8 @@ import time
 from absl import app, flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from sntf.testing import results  # noqa: E402
 WORKER = os.path.join(REPO, "sntf", "testing", "workers", "resnet_identity.py")
 RESULTS = os.path.join(REPO, "benchmarks", "results", "identity_sweep.jsonl")
 MIB = float(1 << 20)
@@ -109,13 +111,6 @@ def _key(row: dict) -> tuple:
                                   "policy", "steps"))
 
 
-def _load(path: str) -> list:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def table(rows: list) -> str:
     """The markdown table of the results and its totals."""
     head = ("| block | blocks | width | batch | bias | oneDNN | policy | verdict | "
@@ -159,10 +154,10 @@ def table(rows: list) -> str:
 def main(argv) -> int:
     del argv
     if FLAGS.table:
-        print(table(_load(FLAGS.results)))
+        print(table(results.load(FLAGS.results)))
         return 0
     started = time.perf_counter()
-    done = {_key(r) for r in _load(FLAGS.results)}
+    done = {_key(r) for r in results.load(FLAGS.results)}
     os.makedirs(os.path.dirname(FLAGS.results), exist_ok=True)
     command = "python benchmarks/identity_sweep.py " + " ".join(
         shlex.quote(a) for a in sys.argv[1:])

@@ -25,6 +25,8 @@ import sys
 from absl import app, flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from sntf.testing import results  # noqa: E402
 WORKER = os.path.join(REPO, "sntf", "testing", "workers", "limit_loops.py")
 RESULTS = os.path.join(REPO, "benchmarks", "results", "limit_loops.jsonl")
 MIB = float(1 << 20)
@@ -63,13 +65,6 @@ def _run(loop: str, use_sntf: bool, limit_mib) -> dict:
     return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]}
 
 
-def _load(path: str) -> list:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def table(rows: list) -> str:
     """The markdown table of the results file's rows."""
     lines = ["| run | loop | limit MiB | trained | peak MiB | planned MiB | limit read | "
@@ -99,7 +94,7 @@ def table(rows: list) -> str:
 def main(argv) -> int:
     del argv
     if FLAGS.table:
-        print(table(_load(FLAGS.results)))
+        print(table(results.load(FLAGS.results)))
         return 0
     os.makedirs(os.path.dirname(FLAGS.results), exist_ok=True)
 

@@ -31,6 +31,8 @@ import time
 from absl import app, flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from sntf.testing import results  # noqa: E402
 RESULTS = os.path.join(REPO, "benchmarks", "results", "zoo_verify.jsonl")
 MIB = float(1 << 20)
 POLICIES = ("swap", "recompute", "swap+recompute")
@@ -76,13 +78,6 @@ def _define_flags() -> None:
     flags.DEFINE_float("max_minutes", 20.0, "start no process after this long")
     flags.DEFINE_string("results", RESULTS, "JSON-lines results file (appended)")
     flags.DEFINE_bool("table", False, "print the table from the results file and exit")
-
-
-def _load(path: str) -> list:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _run(name: str, onednn: bool, policies: list) -> list:
@@ -136,14 +131,13 @@ def table(rows: list) -> str:
 def main(argv) -> int:
     del argv
     if FLAGS.table:
-        print(table(_load(FLAGS.results)))
+        print(table(results.load(FLAGS.results)))
         return 0
-    sys.path.insert(0, REPO)
     from sntf.testing import zoo
 
     models = FLAGS.models or list(zoo.NAMES)
     start = time.time()
-    done = {(r["model"], r["onednn"], r["policy"]) for r in _load(FLAGS.results)
+    done = {(r["model"], r["onednn"], r["policy"]) for r in results.load(FLAGS.results)
             if "error" not in r}
     os.makedirs(os.path.dirname(FLAGS.results), exist_ok=True)
     for onednn in (v == "1" for v in FLAGS.onednn):

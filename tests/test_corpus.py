@@ -56,8 +56,8 @@ def test_family_entries_replay_to_the_recorded_rewrites(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in ENTRIES if n.startswith("zoo-")])
-def test_zoo_entries_replay_to_the_recorded_rewrites(name):
+@pytest.mark.parametrize("name", [n for n in ENTRIES if n.startswith(("zoo-", "deep-"))])
+def test_zoo_and_deep_entries_replay_to_the_recorded_rewrites(name):
     mismatches = [(key, want, got) for key, want, got in _replay(name) if got != want]
     assert not mismatches, mismatches[:3]
 
@@ -75,13 +75,6 @@ def test_a_changed_pass_is_caught(monkeypatch):
     outcomes = _replay(name)
     assert any(got != want for _, want, got in outcomes
                if want["action"] == "rewritten" and want["recomputed"])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in ENTRIES if n.startswith("deep-")])
-def test_deep_entries_replay_to_the_recorded_rewrites(name):
-    mismatches = [(key, want, got) for key, want, got in _replay(name) if got != want]
-    assert not mismatches, mismatches[:3]
 
 
 @pytest.mark.slow
