@@ -8,9 +8,10 @@ one be re-run for its later readers (sntf.planner.rebuild)?
 Combinators decide how the answers become one plan:
 
     Then(a, b)       a, then b over the graph a left; a stage that would not
-                     lower the planned peak is not applied (a deferred one,
-                     whose gain shows only after the stages after it, is
-                     judged by the LowerOf around it)
+                     lower the planned peak, even with weight gradients run
+                     first, is not applied (a deferred one, whose gain
+                     shows only after the stages after it, is judged by
+                     the LowerOf around it)
     LowerOf(a, ...)  the lowest planned peak of its parts, each held to its
                      order (the earliest on a tie; a part that asks for a
                      margin must plan that much below every other)
@@ -25,7 +26,9 @@ The user's policies are compositions (POLICIES):
     "swap"            Then(swap)
     "swap+recompute"  LowerOf(Then(recompute, swap), Then(recompute, rebuild*, swap),
                               Then(swap)); rebuild* deferred
-    "auto"            FitBudget(recompute, swap, fallback="swap+recompute")
+    "auto"            FitBudget(recompute, swap, fallback="swap+recompute");
+                      under a budget no plan meets, the lowest of its
+                      search, swap+recompute and recompute
 
 Whatever a composition rewrote is then held to an order by order
 edges (sntf.planner.finish; option pin_order), where the analysis of the
@@ -378,17 +381,17 @@ def _fitted_in_order(base, ctx: Context, name: str) -> Outcome:
 
 def _least_unmet(fitted: Outcome, base, ctx: Context, name: str, fallback) -> Outcome:
     """Policy "auto" under a budget no plan of its search meets: the lowest
-    plan of the search and of its fallback composition, that composition
-    and of policy "recompute"'s, each planned in the executor's order and,
-    where order edges are allowed, held to a memory-aware order.
+    of the search's plan and the plans of its fallback composition and of
+    policy "recompute", each planned in the executor's order and, where
+    order edges are allowed, held to a memory-aware order.
 
     The search decides per buffer, in the executor's order; the
     compositions' stages and orders reach plans it does not (a U-Net's
     search planned 0.43 of its predicted peak under every budget below
     0.7 of it, and swap+recompute 0.34). A budget that cannot be met asks
     for the lowest plan sntf has, so it is never above one the policies
-    find. Such a plan is not said to fit: its order's prediction is the
-    one the executor's need not reach."""
+    find. Such a plan is never said to fit: a budget's fit is judged in
+    the executor's order, which the run reaches unchained."""
     def peak(o):
         return (o.planned or base).peak
 
