@@ -97,13 +97,18 @@ def test_a_deep_network_whose_weight_gradients_the_executor_defers_plans_near_it
 def test_a_budget_no_plan_meets_gets_no_plan_above_any_policys(name):
     """Policy "auto" under a budget it cannot meet applies the lowest plan
     it finds, never one above a policy's own plan of the same graph (the
-    budget search alone planned a U-Net at 0.43 of its predicted peak and
-    swap+recompute at 0.34)."""
+    budget search alone planned the zoo's U-Net well above swap+recompute).
+    Half the graph's lower bound is a budget no plan meets."""
     entry = corpus.load(os.path.join(FOLDER, name + ".json.gz"))
+    # Policy "swap" is a part of swap+recompute, chosen there by the peak
+    # before what the device holds outside the graph is modelled in; the
+    # reported peaks can then order the two differently by a few KiB
+    # (zoo-se_resnet: 1.5 KiB), so the comparison is with the two
+    # compositions auto plans.
     lowest = min(corpus.replay(entry, corpus.config(p))["planned_peak_bytes"]
-                 for p in ("swap", "recompute", "swap+recompute"))
-    predicted = corpus.replay(entry, corpus.config("off"))["predicted_peak_bytes"]
-    report = corpus.run(entry, corpus.config("auto", int(0.25 * predicted))).report
-    if report["budget_fits"]:
-        return   # met: the cheapest plan that fits, whatever its peak
+                 for p in ("recompute", "swap+recompute"))
+    off = corpus.run(entry, corpus.config("off")).report
+    report = corpus.run(entry, corpus.config(
+        "auto", off["lower_bound_bytes"] // 2)).report
+    assert report["budget_fits"] is False, report["reason"]
     assert report["planned_peak_bytes"] <= lowest, report["reason"]

@@ -131,11 +131,10 @@ def reordered(outcome: Outcome, base, room: DeviceRoom, ctx: Context, policy: st
 
     The executor's order is the one a run reaches unchained, so a plan
     that fits in it is kept. But it defers every op the input gradients'
-    chain does not wait for, and what those ops read stays alive: on a
-    50-block ResNet (oneDNN off) swap+recompute planned 142 MB in that
-    order and 52 MB held to a memory-aware one, against a lower bound of
-    39 MB. A plan that runs out of memory anyway gains from the lower
-    order: held by its edges, the run follows it."""
+    chain does not wait for, and what those ops read stays alive
+    (BENCHMARKS.md, "The device limit in every training loop"). A plan
+    that runs out of memory anyway gains from the lower order: held by its
+    edges, the run follows it."""
     first = outcome.planned or base
     if (not room.runs_out(first.facts) or not ctx.pin_allowed
             or (ctx.memory_order and ctx.pin_order)):

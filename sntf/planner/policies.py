@@ -164,10 +164,9 @@ def _ordered_to_fall(run: _Run, stage: Stage, planned, ctx: Context):
 
     The executor defers a weight gradient behind the input gradients'
     chain, and with it the output gradient it reads: once a stage frees the
-    forward tensors, those deferred gradients can hold the step's peak (a
-    50-block ResNet's bias gradients, oneDNN off, kept 100 MiB of output
-    gradients to the end of the backward pass). The stage's gain then shows
-    only in the order the finished plan runs."""
+    forward tensors, those deferred gradients can hold the step's peak to
+    the end of the backward pass (BENCHMARKS.md, "The swap stage with
+    oneDNN off"). The stage's gain then shows only in that order."""
     try:
         orders, ordered = gradient_ordered(planned, ctx, Plan(policy=stage.kind))
     except Exception:  # noqa: BLE001 - optional: the stage is judged as it is
@@ -386,9 +385,8 @@ def _least_unmet(fitted: Outcome, base, ctx: Context, name: str, fallback) -> Ou
     order edges are allowed, held to a memory-aware order.
 
     The search decides per buffer, in the executor's order; the
-    compositions' stages and orders reach plans it does not (a U-Net's
-    search planned 0.43 of its predicted peak under every budget below
-    0.7 of it, and swap+recompute 0.34). A budget that cannot be met asks
+    compositions' stages and orders reach plans it does not (BENCHMARKS.md,
+    "A budget no plan meets"). A budget that cannot be met asks
     for the lowest plan sntf has, so it is never above one the policies
     find. Such a plan is never said to fit: a budget's fit is judged in
     the executor's order, which the run reaches unchained."""
