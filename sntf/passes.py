@@ -20,7 +20,8 @@ from sntf.analysis import Analyzed, tensor_cache
 from sntf.analysis.breakdown import breakdown
 from sntf.graph.identity import graph_key
 from sntf.planner import budget as budget_planning
-from sntf.planner import device_limit, heuristics
+from sntf.planner import heuristics
+from sntf.planner.room import Room
 
 # Re-exported: the report's actions and its schema.
 UNCHANGED, REWRITTEN, SKIPPED, ERROR = (reports.UNCHANGED, reports.REWRITTEN,
@@ -274,22 +275,16 @@ def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,
         with reports.timed(report, "rewrite"):
             if base is None:
                 return planner.Outcome(planner.identity_plan("off", planner.policies.OFF_NOTE))
-            return planner.plan("off", base, _context(state, env, budget, index, report))
+            return planner.plan("off", base, _context(state, env, Room(), index, report))
     if base is None:
         return planner.Outcome(planner.identity_plan(
             state.policy, "no analysis: graph left unchanged"))
-    room = _device_room(state, base, index, env)
-    if room is not None:
+    room = _room(state, base, index, env, budget, report)
+    if room.limit is not None:
         report["device_limit_bytes"] = room.limit
-        # Under a device limit a user's budget always resolves: None is none.
-        fits = (device_limit.unchanged_note(base, room, state.options.budget_margin)
-                if budget is None else None)
-        if fits is not None:
-            report["device_limit_fits"] = True
-            return planner.Outcome(planner.identity_plan(state.policy, fits))
     # A budget's or a device limit's "fits" is judged on the prediction, so
     # it must be of an order the run reaches: the executor's.
-    free = budget is None and room is None
+    free = not room.binds
     # One inter-op thread runs a step in one order of its own. Held to the
     # executor's order as the analysis emulates it, the main example (a
     # budget) measured higher (71.8 MiB against 68.0 unchained). Without a
@@ -298,39 +293,24 @@ def _plan(base: Optional[Analyzed], graph_def, index, state: config.State,
     # zoo's GPT at oneDNN off measured 55.6-56.5 MiB unchained against
     # 42.1 planned, and 39.0-39.2 held (planned 40.6). So one thread is
     # chained too where nothing binds the plan.
-    ctx = dataclasses.replace(
-        _context(state, env, budget, index, report), memory_order=free,
-        pin_order=state.options.pin_order and (free or env.inter_op_threads != 1),
-        pool=env.inter_op_threads != 1)
-    outcome = planner.plan(state.policy, base, ctx, report["graph"])
-    if room is None:
-        return outcome
-    if budget is not None:
-        outcome = device_limit.refitted(outcome, base, room, ctx, state.policy, report["graph"])
-        outcome = device_limit.cache_fitted(outcome, room)
-    else:
-        outcome = device_limit.reordered(outcome, base, room, ctx, state.policy,
-                                          report["graph"])
-    outcome, report["device_limit_fits"] = device_limit.checked(outcome, base, room,
-                                                                report["graph"])
-    return outcome
+    ctx = _context(state, env, room, index, report, memory_order=free,
+                   pin_order=state.options.pin_order and (free or env.inter_op_threads != 1))
+    return planner.plan(state.policy, base, ctx, report["graph"])
 
 
-def _context(state: config.State, env: Environment, budget: Optional[int], index,
-             report: dict) -> planner.Context:
+def _context(state: config.State, env: Environment, room: Room, index, report: dict,
+             **search) -> planner.Context:
     return planner.Context(
         evaluate=rewrite.evaluator(env.threads, _onednn(env, index)),
-        recompute_mode=state.options.recompute_mode,
-        swap_min_bytes=state.options.swap_min_bytes,
-        bandwidth=_link_bandwidth(state, index),
-        onednn=env.onednn, budget=budget,
-        # Budgets only: without one the plan is chosen on the graph alone.
-        outside_bytes=(report.get("outside_bytes") or 0) if budget is not None else 0,
-        budget_margin=state.options.budget_margin,
-        budget_behaviour=state.options.budget_behaviour,
-        min_gain=state.options.min_gain,
-        stage_seconds=report["stage_seconds"],
-        pin_order=state.options.pin_order, pin_allowed=state.options.pin_order)
+        options=planner.context.Options(
+            recompute_mode=state.options.recompute_mode,
+            swap_min_bytes=state.options.swap_min_bytes,
+            budget_behaviour=state.options.budget_behaviour,
+            min_gain=state.options.min_gain, pin_order=state.options.pin_order),
+        device=planner.context.Device(bandwidth=_link_bandwidth(state, index),
+                                      onednn=env.onednn, pool=env.inter_op_threads != 1),
+        room=room, search=planner.context.Search(**search),
+        instruments=planner.context.Instruments(report["stage_seconds"]))
 
 
 def _record_plan(outcome: planner.Outcome, base: Optional[Analyzed],
@@ -421,20 +401,19 @@ def _onednn(env: Environment, index) -> bool:
     return env.onednn and not _on_gpu(index)
 
 
-def _device_room(state: config.State, base: Analyzed, index,
-                 env: Environment) -> Optional[device_limit.DeviceRoom]:
-    """Policy "auto", on a device whose allocator has a limit (a GPU's, or
-    the CPU's under TF_CPU_BFC_MEM_LIMIT_IN_MB): the room the step has
-    there; else None."""
-    if state.policy != "auto":
-        return None
+def _room(state: config.State, base: Analyzed, index, env: Environment,
+          budget: Optional[int], report: dict) -> Room:
+    """The room the step has on its device: the budget, and for policy
+    "auto" the device allocator's limit where it has one (a GPU's, or the
+    CPU's under TF_CPU_BFC_MEM_LIMIT_IN_MB). What the device holds outside
+    the graph counts where either binds the plan; without, the plan is
+    chosen on the graph alone."""
     device = graph_device(index)
-    limit = env.allocator_limit(device)
-    if not limit:
-        return None
-    outside = (_outside_bytes(index, base.facts, env.in_use) or 0) if env.in_use else 0
-    usable = int(limit * (1.0 - state.options.budget_margin))
-    return device_limit.DeviceRoom(device, limit, usable, outside, env.allocator_grows(device))
+    limit = env.allocator_limit(device) if state.policy == "auto" else None
+    binds = budget is not None or bool(limit)
+    outside = (report.get("outside_bytes") or 0) if binds else 0
+    return Room.of(base.facts, budget, state.options.budget_margin, outside, device,
+                   limit or None, env.allocator_grows(device) if limit else False)
 
 
 def graph_device(index) -> str:

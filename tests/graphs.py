@@ -1035,4 +1035,4 @@ def context(**settings):
     """A planning context whose plans are tried with the real rewrite."""
     from sntf import planner, rewrite
 
-    return planner.Context(evaluate=rewrite.evaluator(None), **settings)
+    return planner.context.build(rewrite.evaluator(None), **settings)

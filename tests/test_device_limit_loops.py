@@ -2,7 +2,7 @@
 only in fit(): train_on_batch and a custom tf.function step with a
 GradientTape reach the pass with the limit read (sntf.runtime.limit_hooks).
 And where the executor's order does not fit the limit, the plan is held to
-a memory-aware order that does (sntf.planner.device_limit.reordered)."""
+a memory-aware order that does (sntf.planner.fit._under_limit)."""
 
 import os
 

@@ -11,6 +11,7 @@ from sntf import config, graph, passes, planner
 from sntf.analysis import bfc, memory, tensor_cache
 from sntf.graph import names
 from sntf.planner import device_limit
+from sntf.planner.room import Room
 from sntf.runtime import environment
 from sntf.testing.workers import measure_peak
 
@@ -167,7 +168,7 @@ def _notes(report, prefix):
 
 def _room(budget):
     """The room the pass sees under a limit equal to the budget."""
-    return device_limit.DeviceRoom("CPU:0", budget, int(0.9 * budget), 0, True)
+    return Room(margin=0.1, limit=budget, grows=True)
 
 
 def test_under_a_budget_a_plan_the_allocator_model_runs_out_on_is_fitted_lower():
@@ -198,8 +199,8 @@ def test_the_allocator_model_holds_back_the_largest_request():
     fits = next(limit for limit in range(MIB, 4 * budget, MIB // 4)
                 if memory.runs_out_of_memory(planned, limit) is None)
     assert memory.runs_out_of_memory(planned, fits - largest) is not None
-    assert device_limit.DeviceRoom("CPU:0", fits, fits, 0, True).runs_out(planned)
-    assert not device_limit.DeviceRoom("CPU:0", fits, fits + largest, 0, True).runs_out(planned)
+    assert Room(margin=0.0, limit=fits, grows=True).runs_out(planned)
+    assert not Room(margin=0.0, limit=fits + largest, grows=True).runs_out(planned)
 
 
 def test_where_the_allocator_model_runs_out_on_every_plan_the_lowest_is_taken(
@@ -217,7 +218,7 @@ def test_where_the_allocator_model_runs_out_on_every_plan_the_lowest_is_taken(
     # Under a limit the plan holds the executor's order; without a budget
     # the planner may offer a memory-aware one, which this comparison
     # leaves out. The unmet budget's plan is the lowest of the budget
-    # search's and the policies' (policies._least_unmet): at most theirs.
+    # search's and the policies' (sntf.planner.fit): at most theirs.
     monkeypatch.setattr(finish, "memory_orders", lambda g, facts, held: ())
     lowest = passes.run_pass(g.SerializeToString(), ["ret"], [], config.State(
         enabled=True, policy="swap+recompute", budget=None,

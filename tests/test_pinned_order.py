@@ -403,7 +403,7 @@ def test_one_inter_op_thread_is_chained_where_nothing_binds_the_plan(
     seen = []
     plan = passes.planner.plan
     monkeypatch.setattr(passes.planner, "plan", lambda policy, base, ctx, *rest: (
-        seen.append(ctx.pin_order) or plan(policy, base, ctx, *rest)))
+        seen.append(ctx.search.pin_order) or plan(policy, base, ctx, *rest)))
     budget = config.Budget(bytes=64 << 20) if bound else None
     state = config.State(enabled=True, policy="swap+recompute", budget=budget)
     env = passes.Environment(inter_op_threads=threads, onednn=False)
@@ -487,12 +487,7 @@ def test_a_stage_that_lowers_the_peak_only_with_weight_gradients_first_is_applie
     ordered = _deferred_filter_gradient(filter_last=True)
     plan = planner.Plan(policy="swap")
 
-    @dataclasses.dataclass(frozen=True)
-    class Proposing(policies.Stage):
-        def propose(self, base, ctx):
-            return plan, deferred
-
-    stage = Proposing("swap")
+    stage = policies.Stage("swap", lambda base, ctx, judged_here: (plan, deferred))
     ctx = context()
     # Above the current graph in the executor's order, below it ordered.
     current = types.SimpleNamespace(peak=(deferred.peak + ordered.peak) // 2,

@@ -364,11 +364,13 @@ def test_user_policies_are_compositions_of_three_questions():
     # the one without, and must plan lower by a margin.
     assert table["swap+recompute"] == policies.LowerOf((
         policies.Then((policies.RECOMPUTE_STAGE, policies.SWAP_STAGE)),
-        policies.Then((policies.RECOMPUTE_STAGE, policies.Stage("rebuild", deferred=True),
+        policies.Then((policies.RECOMPUTE_STAGE, policies.REBUILD_STAGE.held_back(),
                        policies.SWAP_STAGE), margin=heuristics.REBUILD_PEAK_SHARE),
         policies.Then((policies.SWAP_STAGE,))))
     assert table["auto"].fallback is table["swap+recompute"]
-    assert table["auto"].parts == (policies.RECOMPUTE_STAGE, policies.SWAP_STAGE)
+    assert table["auto"].others == (table["recompute"],)
+    assert table["auto"].compositions == (table["swap+recompute"], table["recompute"])
+    assert len(table["auto"].sources) == 2
 
 
 # --------------------------------------------------------------------------

@@ -676,7 +676,7 @@ def test_the_recompute_policy_rebuilds_after_recomputing():
     where it plans lower."""
     g, props = swish_step()
     base = analyzed(g, ["ret"], props)
-    outcome = planner.policies.plan("recompute", base, context())
+    outcome = planner.plan("recompute", base, context())
     assert {"h:0", "grad/sig:0"} <= {r.tensor for r in outcome.plan.recomputes}
     forward_only = modes.recompute(base, context())[1]
     assert outcome.planned.peak < forward_only.peak

@@ -11,6 +11,8 @@ from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder, properties_fn
 from sntf import analysis, config, planner, rewrite
 from sntf.graph import names
 from sntf.planner import budget as budget_planning
+from sntf.planner import room as room_module
+from sntf.planner.room import Room
 from sntf.planner import heuristics
 from sntf.planner.backward import backward_read_by_buffer
 from sntf.planner.swap import default_min_bytes, threshold_at_peak
@@ -406,20 +408,20 @@ def test_the_cache_headroom_is_the_budget_left_over_the_planned_peak():
     # chunk twice its size) - 5 MiB planned peak = 2.5 MiB. The variable,
     # allocated before the step, is no request of it.
     facts = _Facts(peak=5 * MIB, scratch=2 * MIB)
-    assert budget_planning.allocator_slack(facts) == 2 * MIB
-    assert budget_planning.allocator_slack(_Facts(peak=5 * MIB, scratch=0)) == MIB
-    assert budget_planning.cache_headroom(facts, 10 * MIB, MIB // 2) == 5 * MIB // 2
-    note = budget_planning.cache_note(facts, 10 * MIB, outside=MIB // 2)
+    assert room_module.allocator_slack(facts) == 2 * MIB
+    assert room_module.allocator_slack(_Facts(peak=5 * MIB, scratch=0)) == MIB
+    assert Room(10 * MIB, 0.0, MIB // 2).headroom(facts) == 5 * MIB // 2
+    note = Room(10 * MIB, 0.0, MIB // 2).cache_note(facts)
     assert note == (f"tensor cache: up to {5 * MIB // 2} bytes of swapped tensors stay "
                     f"on the device (budget {10 * MIB} - {MIB // 2} held outside the "
                     f"graph - {2 * MIB} allocator slack - planned peak {5 * MIB})")
     # Over budget: the headroom is negative and every swap copies.
-    assert budget_planning.cache_headroom(facts, 6 * MIB, 0) == -MIB
-    assert budget_planning.cache_note(facts, 6 * MIB).endswith("every swap copies")
+    assert Room(6 * MIB, 0.0).headroom(facts) == -MIB
+    assert Room(6 * MIB, 0.0).cache_note(facts).endswith("every swap copies")
     # The budget's margin is held back for the analysis' error: with 0.1,
     # 9 MiB - 0.5 - 2 - 5 = 1.5 MiB.
-    assert budget_planning.cache_headroom(facts, 10 * MIB, MIB // 2, 0.1) == 3 * MIB // 2
-    assert budget_planning.cache_note(facts, 10 * MIB, MIB // 2, 0.1).startswith(
+    assert Room(10 * MIB, 0.1, MIB // 2).headroom(facts) == 3 * MIB // 2
+    assert Room(10 * MIB, 0.1, MIB // 2).cache_note(facts).startswith(
         f"tensor cache: up to {3 * MIB // 2} bytes of swapped tensors stay on the "
         f"device (budget {10 * MIB} x (1 - margin 0.1) - {MIB // 2} held outside")
 

@@ -13,8 +13,8 @@ from typing import Optional
 
 from sntf.graph import names
 from sntf.planner import heuristics, search
-from sntf.planner.context import Context
-from sntf.planner.modes import lowest_recompute, updates_in_place
+from sntf.planner.context import Context, protected
+from sntf.planner.modes import updates_in_place
 from sntf.planner.plan import RECOMPUTE, SWAP, Plan, acting, identity_plan, subset
 from sntf.planner.backward import backward_read_by_buffer
 from sntf.planner.swap import default_min_bytes, plan_swap, tensor_properties, threshold_at_peak
@@ -22,21 +22,23 @@ from sntf.planner.swap import default_min_bytes, plan_swap, tensor_properties, t
 BUDGET_BEHAVIOURS = ("best_effort", "unchanged")
 
 
-def swap_stage(base, ctx: Context, cache_budget: Optional[int] = None) -> Plan:
+def swap_stage(base, ctx: Context, cache_budget: Optional[int] = None,
+               min_bytes: Optional[int] = None) -> Plan:
     """The swap plan of an analyzed graph (with a budget, its swaps are
-    conditional on the device's memory at run time)."""
-    from sntf.planner.context import protected
-
+    conditional on the device's memory at run time); min_bytes: the
+    threshold, else the user's (ctx.options.swap_min_bytes)."""
+    if min_bytes is None:
+        min_bytes = ctx.options.swap_min_bytes
     dtypes, shapes = tensor_properties(base.index, base.props)
-    plan = plan_swap(base.index, base.facts, dtypes, ctx.swap_min_bytes, ctx.bandwidth,
-                     protected(base.index), shapes, workspace_pairs=ctx.onednn)
+    plan = plan_swap(base.index, base.facts, dtypes, min_bytes, ctx.device.bandwidth,
+                     protected(base.index), shapes, workspace_pairs=ctx.device.onednn)
     return dataclasses.replace(plan, cache_budget=cache_budget)
 
 
 def lowest_swap(base, ctx: Context):
     """The swap stage: the swap plan planned lowest of its thresholds.
 
-    ctx.swap_min_bytes when the user set it; else the default threshold
+    ctx.options.swap_min_bytes when the user set it; else the default threshold
     (swap.default_min_bytes), and where that came down for a network of
     small tensors, the usual one too: the swap-ins of more, smaller tensors
     can crowd the backward pass and plan higher. Where the chosen plan's
@@ -47,18 +49,18 @@ def lowest_swap(base, ctx: Context):
     Returns:
       (plan, the rewritten graph analyzed or None).
     """
-    threshold = ctx.swap_min_bytes
+    threshold = ctx.options.swap_min_bytes
     if threshold is None:
         threshold = default_min_bytes(
             base.facts, backward_read_by_buffer(base.index, base.facts))
     tried = [threshold]
-    if ctx.swap_min_bytes is None and threshold < heuristics.SWAP_MIN_BYTES:
+    if ctx.options.swap_min_bytes is None and threshold < heuristics.SWAP_MIN_BYTES:
         tried.append(heuristics.SWAP_MIN_BYTES)
     best = None
     for min_bytes in reversed(tried):   # the usual threshold wins a tie
         best = _lower_swap(best, base, ctx, min_bytes)
     reach = (threshold_at_peak(best[1].index, best[1].facts, best[2])
-             if ctx.swap_min_bytes is None and best[1] is not None else None)
+             if ctx.options.swap_min_bytes is None and best[1] is not None else None)
     if reach is not None:
         best = _lower_swap(best, base, ctx, reach)
     return best[:2]
@@ -67,65 +69,12 @@ def lowest_swap(base, ctx: Context):
 def _lower_swap(best: Optional[tuple], base, ctx: Context, min_bytes: int) -> tuple:
     """(plan, planned, threshold): the swap plan at min_bytes where it plans
     lower than best's (or best is None), else best."""
-    plan = swap_stage(base, dataclasses.replace(ctx, swap_min_bytes=min_bytes), ctx.budget)
+    plan = swap_stage(base, ctx, ctx.budget, min_bytes)
     planned = ctx.evaluate(plan, base)
     if best is None or (planned is not None and (
             best[1] is None or planned.peak < best[1].peak)):
         return plan, planned, min_bytes
     return best
-
-
-def allocator_slack(facts) -> int:
-    """Headroom a budget plan leaves for the allocator's rounding: the
-    step's largest single request, in bytes.
-
-    TensorFlow's BFC allocator serves a request from the best-fitting free
-    chunk and splits it only when it is at least twice the request, so a
-    request may take up to twice its bytes; which chunk it gets depends on
-    the allocator's history, which the pass cannot see (its model replays
-    one step from an empty allocator). With TensorFlow's own convolution
-    kernels the largest request is often an im2col scratch buffer; under
-    oneDNN, whose kernels keep their scratch outside the allocator, it is
-    an activation or a gradient: the swish all-conv net's budget plan,
-    planned at 25.6 MiB, measured 30.2 in two runs of six, a 4 MiB
-    gradient term in a chunk of 6.6-7.6 MiB. The device limit holds the
-    same request back (device_limit.DeviceRoom.runs_out).
-    """
-    return max((n for b, n in facts.buffer_bytes.items()
-                if b not in facts.persistent_buffers), default=0)
-
-
-def cache_headroom(facts, budget: int, outside: int, margin: float = 0.0) -> int:
-    """Bytes of swapped tensors the tensor cache may keep on the device
-    (negative: none).
-
-    The planned peak assumes every swap copies, so cached tensors may use
-    only the headroom budget * (1 - margin) - planned peak: kept within it,
-    they raise no step of the plan above the budget less its margin,
-    wherever that step lies. The margin is held back for the analysis'
-    error, as budget targets hold it: a cache that filled it would leave a
-    plan that measures above its prediction over the budget. The headroom
-    also leaves what the device holds outside the graph and the
-    allocator's slack, as budget targets do.
-    """
-    return (int(budget * (1.0 - margin)) - outside - allocator_slack(facts)
-            - facts.budget_peak_bytes)
-
-
-def cache_note(facts, budget: int, outside: int = 0, margin: float = 0.0) -> str:
-    """The plan note that says how much the tensor cache may keep."""
-    peak = facts.budget_peak_bytes
-    headroom = cache_headroom(facts, budget, outside, margin)
-    kept_back = f" x (1 - margin {margin:g})" if margin else ""
-    held = f" - {outside} held outside the graph" if outside else ""
-    slack = allocator_slack(facts)
-    slack_text = f" - {slack} allocator slack" if slack else ""
-    if headroom < 0:
-        return (f"budget {budget} bytes{kept_back}{held}{slack_text} is below the "
-                f"planned peak {peak} bytes: every swap copies")
-    return (f"tensor cache: up to {headroom} bytes of swapped tensors stay on the "
-            f"device (budget {budget}{kept_back}{held}{slack_text} - planned peak "
-            f"{peak})")
 
 
 def cudnn_workspace_limit_mb(budget: int, planned_peak: int) -> int:
@@ -221,13 +170,15 @@ def budget_options(index, facts, recompute_plan: Plan, swap_plan: Plan) -> list:
     return options
 
 
-def budget_search(base, ctx: Context, budget: int):
+def budget_search(base, ctx: Context, sources: tuple):
     """What the budget search searches over, for one analyzed graph.
 
     Args:
       base: the analyzed graph.
-      ctx: the planning context (recompute_mode, swap_min_bytes, bandwidth).
-      budget: the byte budget.
+      ctx: the planning context; ctx.budget is set.
+      sources: (recompute source, swap source), each (analyzed graph,
+        context) -> a plan: every recomputation, and every swap, the search
+        may choose from (policies.FitBudget.sources).
 
     Returns:
       (options, selections, candidates): the search.Option list; a
@@ -235,11 +186,10 @@ def budget_search(base, ctx: Context, budget: int):
       a selection (and keeps each result in selections.results); and the
       recompute and swap plans the options came from.
     """
-    mode = "memory" if ctx.recompute_mode == "memory" else "speed"
-    recompute, _ = lowest_recompute(base, ctx, mode)
-    swaps = swap_stage(base, ctx, budget)
+    recompute_source, swap_source = sources
+    recompute, swaps = recompute_source(base, ctx), swap_source(base, ctx)
     options = budget_options(base.index, base.facts, recompute, swaps)
-    return options, Selections(base, ctx, recompute, budget), (recompute, swaps)
+    return options, Selections(base, ctx, recompute, ctx.budget), (recompute, swaps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,38 +205,35 @@ class Fitted:
     warning: Optional[str] = None
 
 
-def budget_target(base, ctx: Context) -> int:
-    """The planned peak a plan must not exceed to fit ctx.budget: the budget
-    less the analysis' error margin, less what the device already holds
-    outside this graph, less the allocator's slack for the largest request
-    (allocator_slack of the unplanned graph) and less the room kept
-    for order edges and for a device's regions (ctx.order_reserve,
-    ctx.region_reserve)."""
-    return (int(ctx.budget * (1.0 - ctx.budget_margin)) - ctx.outside_bytes
-            - allocator_slack(base.facts) - ctx.order_reserve - ctx.region_reserve)
+def budget_target(ctx: Context) -> int:
+    """The planned peak the budget search must not exceed: the room's
+    target (Room.target), less the room the search holds back for order
+    edges and for a device's regions (Search.reserve)."""
+    return ctx.room.target - ctx.search.reserve
 
 
-def fit_budget(base, ctx: Context, name: str = "") -> Fitted:
+def fit_budget(base, ctx: Context, sources: tuple, name: str = "") -> Fitted:
     """The least predicted extra time whose planned peak fits the budget
     less its margin, by search.greedy over every buffer's options.
 
     A budget that no plan reaches is reported with the least planned peak
-    found (and a warning to log once); then ctx.budget_behaviour decides:
+    found (and a warning to log once); then ctx.options.budget_behaviour decides:
     "best_effort" applies that plan, "unchanged" leaves the graph alone.
 
     Args:
       base: the analyzed graph.
       ctx: the planning context; ctx.budget is set.
+      sources: where the search's options come from (budget_search).
       name: the graph's name, for the warning.
 
     Returns:
       A Fitted.
     """
-    budget, outside = ctx.budget, ctx.outside_bytes
-    slack = allocator_slack(base.facts)
-    target = budget_target(base, ctx)
+    budget = ctx.budget
+    slack = ctx.room.slack
+    target = budget_target(ctx)
     with ctx.timed("plan_auto"):
-        options, selections, candidates = budget_search(base, ctx, budget)
+        options, selections, candidates = budget_search(base, ctx, sources)
         choice = search.greedy(
             options, selections.peak, target, excess_of=selections.excess,
             small_graph=len(base.index.names) <= heuristics.SMALL_GRAPH_NODES)
@@ -296,7 +243,7 @@ def fit_budget(base, ctx: Context, name: str = "") -> Fitted:
     if not choice.fits:
         warning = unmet_warning(base, ctx, target, choice.peak, name)
         note += f"; {warning[len('sntf: '):]}"
-        if ctx.budget_behaviour == "unchanged":
+        if ctx.options.budget_behaviour == "unchanged":
             return Fitted(identity_plan("auto", note), None, choice, candidates, warning)
     plan = dataclasses.replace(plan, policy="auto", notes=(note,))
     if planned is None or planned.graph_def is base.graph_def:
@@ -305,19 +252,20 @@ def fit_budget(base, ctx: Context, name: str = "") -> Fitted:
     plan, planned = updates_in_place(plan, planned, base, ctx)
     if plan.swaps:
         plan = dataclasses.replace(plan, notes=plan.notes + (
-            cache_note(planned.facts, budget, outside, ctx.budget_margin),))
+            ctx.room.cache_note(planned.facts),))
     return Fitted(plan, planned, choice, candidates, warning)
 
 
 def _budget_note(base, ctx: Context, target: int, slack: int, choice, options: int) -> str:
     counts = {a: sum(1 for o in choice.options if o.action == a)
               for a in (RECOMPUTE, SWAP)}
-    reserve = (f", {ctx.order_reserve} bytes for order edges"
-               if ctx.order_reserve else "")
-    if ctx.region_reserve:
-        reserve += f", {ctx.region_reserve} bytes for the device's allocator regions"
+    reserve = (f", {ctx.search.order_reserve} bytes for order edges"
+               if ctx.search.order_reserve else "")
+    if ctx.search.region_reserve:
+        reserve += (f", {ctx.search.region_reserve} bytes for the device's allocator "
+                    "regions")
     return (f"auto: budget {ctx.budget} bytes (plan target {target} bytes: margin "
-            f"{ctx.budget_margin:g}, {ctx.outside_bytes} bytes held outside the "
+            f"{ctx.room.margin:g}, {ctx.room.outside} bytes held outside the "
             f"graph, {slack} bytes of allocator slack{reserve}), predicted peak "
             f"{base.facts.budget_peak_bytes} -> planned {choice.peak} bytes with "
             f"{counts[RECOMPUTE]} buffer(s) recomputed and "
@@ -326,16 +274,23 @@ def _budget_note(base, ctx: Context, target: int, slack: int, choice, options: i
             f"{choice.evaluations} plan(s) evaluated")
 
 
-def unmet_warning(base, ctx: Context, target: int, peak: int, name: str) -> str:
+def unmet_warning(base, ctx: Context, target: int, peak: int, name: str,
+                  held: Optional[int] = None) -> str:
     """The warning logged once when no plan meets ctx.budget; peak: the
-    least planned peak found."""
-    behaviour = ctx.budget_behaviour
+    least planned peak found (with held, the least in the executor's
+    order); held: where the plan applied is held to a memory-aware order
+    by its edges and plans below the target only there, its planned
+    peak."""
+    behaviour = ctx.options.budget_behaviour
+    applied = ("applying that plan (budget_behaviour='best_effort')" if held is None else
+               f"applying a plan held to a memory-aware order, planned at {held} bytes "
+               "(budget_behaviour='best_effort')")
     return (f"sntf: budget {ctx.budget} bytes cannot be met for graph "
             f"{name or '?'} (plan target {target} bytes, "
-            f"budget_margin {ctx.budget_margin:g}): the least "
-            "planned peak is "
-            f"{peak} bytes (lower bound of any plan "
+            f"budget_margin {ctx.room.margin:g}): the least "
+            + ("planned peak is " if held is None else
+               "planned peak in the executor's order is ")
+            + f"{peak} bytes (lower bound of any plan "
             f"{base.facts.lower_bound_bytes} bytes); "
-            + ("applying that plan (budget_behaviour='best_effort')"
-               if behaviour == "best_effort" else
+            + (applied if behaviour == "best_effort" else
                "graph left unchanged (budget_behaviour='unchanged')"))

@@ -58,20 +58,20 @@ def gradient_ordered(planned, ctx: Context, plan: Plan) -> tuple:
     already holds. Raises where the rewrite or its analysis fails."""
     with ctx.timed("plan_order"):
         taken = {(o.before, o.after) for o in plan.orders}
-        orders = tuple(o for o in plan_gradient_order(planned.index, ctx.onednn)
+        orders = tuple(o for o in plan_gradient_order(planned.index, ctx.device.onednn)
                        if (o.before, o.after) not in taken)
         return orders, (ctx.evaluate(Plan(policy=plan.policy, orders=orders), planned)
                         if orders else None)
 
 
-def pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
+def pinned(outcome: Outcome, ctx: Context) -> Outcome:
     """The outcome with the rewritten graph's large allocations and frees
     held to an order (plan_sequence, _sequenced), where the analysis stands
     behind it: the chained graph, analyzed, plans no higher than the
     unchained one, give or take what one unchained op allocates, and a plan
     that fits its budget still fits its target (else held_in_margin)."""
     planned = outcome.planned
-    if not ctx.pin_order or planned is None:
+    if not ctx.search.pin_order or planned is None:
         return outcome
     least = max(heuristics.SEQUENCE_MIN_BYTES,
                 int(heuristics.SEQUENCE_PEAK_SHARE * planned.peak))
@@ -79,7 +79,7 @@ def pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
         # The edges are optional: whatever goes wrong with them leaves the
         # plan as it was, with the reason in its notes.
         try:
-            merges = merge_members(planned.index) if ctx.onednn else None
+            merges = merge_members(planned.index) if ctx.device.onednn else None
             orders, ordered, kind = _sequenced(outcome, planned, ctx, least, merges)
             if not orders:
                 return outcome
@@ -97,8 +97,7 @@ def pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
         return noted(outcome, _dropped_note(orders, planned, ordered))
     headroom = outcome.cache_headroom
     if headroom is not None and plan.cache_budget is not None:
-        headroom = budget_planning.cache_headroom(ordered.facts, plan.cache_budget,
-                                                  ctx.outside_bytes, ctx.budget_margin)
+        headroom = ctx.room.headroom(ordered.facts)
     held = dataclasses.replace(
         outcome, plan=dataclasses.replace(plan, notes=plan.notes + (
             f"order: {len(orders)} edge(s) hold the ops that allocate or free "
@@ -106,13 +105,13 @@ def pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
         planned=ordered, cache_headroom=headroom, pinned=True)
     if ctx.budget is None or not outcome.fields.get("budget_fits"):
         return held
-    if ordered.peak <= budget_planning.budget_target(base, ctx):
+    if ordered.peak <= budget_planning.budget_target(ctx):
         return held
     # A plan that fits its budget must still fit its target. Only that left
-    # the edges no room: the policy fits again (policies._fitted_in_order),
+    # the edges no room: the policy fits again (sntf.planner.fit._searched),
     # or takes them into the budget's margin, under the budget itself.
     in_margin = None
-    if ordered.peak <= ctx.budget - ctx.outside_bytes:
+    if ordered.peak <= ctx.budget - ctx.room.outside:
         in_margin = noted(held, (
             f"order: the edges take the planned peak {ordered.peak - planned.peak} "
             f"bytes into the budget's margin: no plan fits the target with them"))
@@ -122,7 +121,7 @@ def pinned(outcome: Outcome, base, ctx: Context) -> Outcome:
 
 def _sequenced(outcome: Outcome, planned, ctx: Context, least: int, merges) -> tuple:
     """(order edges, the graph chained by them analyzed, which order they
-    hold): the executor's order as planned, or, where ctx.memory_order, a
+    hold): the executor's order as planned, or, where ctx.search.memory_order, a
     memory-aware order of the same ops (memory_orders) where the graph
     chained to it plans lower.
 
@@ -139,11 +138,11 @@ def _sequenced(outcome: Outcome, planned, ctx: Context, least: int, merges) -> t
                                      planned) if orders else None)
 
     orders, ordered = chained(planned.facts)
-    if not ctx.memory_order:
+    if not ctx.search.memory_order:
         return orders, ordered, "planned order"
     best = (orders, ordered, "planned order")
     try:
-        for reordered in memory_orders(planned.index, planned.facts, ctx.pool):
+        for reordered in memory_orders(planned.index, planned.facts, ctx.device.pool):
             other, tried = chained(reordered)
             if tried is not None and (best[1] is None or tried.peak < best[1].peak):
                 best = (other, tried, "memory-aware order")

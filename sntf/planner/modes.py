@@ -23,7 +23,7 @@ MODES = ("speed", "memory", "auto")
 
 
 def recompute(base, ctx: Context, mode: Optional[str] = None):
-    """The recompute plan of a mode (ctx.recompute_mode by default), with
+    """The recompute plan of a mode (ctx.options.recompute_mode by default), with
     variable updates ordered after their reads' readers.
 
     Args:
@@ -34,7 +34,7 @@ def recompute(base, ctx: Context, mode: Optional[str] = None):
     Returns:
       (plan, the rewritten graph analyzed or None).
     """
-    mode = mode or ctx.recompute_mode
+    mode = mode or ctx.options.recompute_mode
     if mode == "auto":
         chosen = auto_recompute(base, ctx)
     elif mode == "memory":
@@ -58,7 +58,7 @@ def rebuild(base, ctx: Context, judged_here: bool = True):
     Returns:
       (plan, the rewritten graph analyzed or None when nothing qualified).
     """
-    mode = "memory" if ctx.recompute_mode == "memory" else "speed"
+    mode = "memory" if ctx.options.recompute_mode == "memory" else "speed"
     plan = plan_rebuilds(base.index, base.facts, mode, protected(base.index))
     if not plan.recomputes:
         return dataclasses.replace(plan, notes=()), None   # nothing to say
@@ -222,7 +222,7 @@ def segmented_recompute(base, ctx: Context, per_segment: int):
     note = (f"recompute (memory): {len(plan.recomputes)} tensor(s), checkpoint ops "
             f"re-run in segments of up to {per_segment}")
     plan = dataclasses.replace(plan, notes=(note, *plan.notes[1:]))
-    orders = order.plan_gradient_order(planned.index, ctx.onednn)
+    orders = order.plan_gradient_order(planned.index, ctx.device.onednn)
     if orders:
         ordered = dataclasses.replace(plan, orders=orders, notes=(
             f"{note}, {len(orders)} weight gradient edge(s) ordered first",

@@ -15,20 +15,24 @@ Combinators decide how the answers become one plan:
     LowerOf(a, ...)  the lowest planned peak of its parts, each held to its
                      order (the earliest on a tie; a part that asks for a
                      margin must plan that much below every other)
-    FitBudget(a, b)  per buffer keep, or one of a's or b's answers, the least
-                     predicted time that fits the budget; without a budget,
-                     its fallback policy
+    FitBudget(s, f)  per buffer keep, or one of its sources' answers, the
+                     least predicted time that fits the room; without a
+                     budget, its fallback composition f (run by the fit
+                     loop, sntf.planner.fit)
     Keep()           nothing moves (policy "off")
 
-The user's policies are compositions (POLICIES):
+A leaf holds the callable that asks its question, and a FitBudget the
+callables its search's options come from: what a composition holds is what
+runs. The user's policies are compositions (POLICIES):
 
     "recompute"       Then(recompute, rebuild)
     "swap"            Then(swap)
     "swap+recompute"  LowerOf(Then(recompute, swap), Then(recompute, rebuild*, swap),
                               Then(swap)); rebuild* deferred
-    "auto"            FitBudget(recompute, swap, fallback="swap+recompute");
-                      under a budget no plan meets, the lowest of its
-                      search, swap+recompute and recompute
+    "auto"            FitBudget((every recomputation, every swap),
+                                fallback="swap+recompute", others=("recompute",));
+                      where its search fits nothing, the fit loop tries
+                      its compositions
 
 Whatever a composition rewrote is then held to an order by order
 edges (sntf.planner.finish; option pin_order), where the analysis of the
@@ -41,7 +45,7 @@ below the original is not applied.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 from sntf.graph.names import split_tensor
 from sntf.planner import budget as budget_planning
@@ -76,14 +80,21 @@ class _Run:
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """A leaf: one question per tensor ("recompute", "rebuild" or "swap").
+    """A leaf: one question per tensor, asked by `propose`.
 
     A deferred stage is applied whenever it changes the graph: the stages
     after it decide whether it pays (a rebuilt sigmoid(x) frees nothing at
     the peak until the forward tensors around it are swapped out).
+
+    Attributes:
+      kind: what it asks ("recompute", "rebuild" or "swap"), for notes.
+      ask: (analyzed graph, context, judged_here) -> (plan, the rewritten
+        graph analyzed or None); judged_here is False for a deferred stage.
+      deferred: see above.
     """
 
     kind: str
+    ask: Callable
     deferred: bool = False
 
     @property
@@ -93,11 +104,11 @@ class Stage:
     def propose(self, base, ctx: Context):
         """The stage's plan on `base`, tried: (plan, analyzed or None)."""
         with ctx.timed(f"plan_{self.kind}"):
-            if self.kind == "recompute":
-                return modes.recompute(base, ctx)
-            if self.kind == "rebuild":
-                return modes.rebuild(base, ctx, judged_here=not self.deferred)
-            return budget_planning.lowest_swap(base, ctx)
+            return self.ask(base, ctx, not self.deferred)
+
+    def held_back(self) -> "Stage":
+        """The same stage, deferred."""
+        return dataclasses.replace(self, deferred=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,60 +230,96 @@ class Keep:
 
 @dataclasses.dataclass(frozen=True)
 class FitBudget:
-    """Per buffer keep, or one of its stages' answers: the least predicted
-    extra time whose planned peak fits ctx.budget (sntf.planner.budget);
-    without a budget, the fallback composition."""
+    """Per buffer keep, or one of its sources' answers: the least predicted
+    extra time whose planned peak fits the room (sntf.planner.fit, which
+    runs it); without a budget, the fallback composition.
 
-    parts: tuple
+    Attributes:
+      sources: (analyzed graph, context) -> a plan whose decisions are the
+        budget search's options (sntf.planner.budget.budget_search).
+      fallback: the composition planned without a budget, and first among
+        those the fit loop tries where its search fits nothing.
+      others: the other compositions it tries then.
+    """
+
+    sources: tuple
     fallback: object
+    others: tuple = ()
 
     @property
     def label(self) -> str:
         return "auto"
 
+    @property
+    def compositions(self) -> tuple:
+        """The compositions the fit loop tries where its search fits nothing."""
+        return (self.fallback,) + self.others
 
-RECOMPUTE_STAGE, REBUILD_STAGE, SWAP_STAGE = Stage("recompute"), Stage("rebuild"), Stage("swap")
+
+def _recompute(base, ctx: Context, judged_here: bool):
+    return modes.recompute(base, ctx)
+
+
+def _rebuild(base, ctx: Context, judged_here: bool):
+    return modes.rebuild(base, ctx, judged_here=judged_here)
+
+
+def _swap(base, ctx: Context, judged_here: bool):
+    return budget_planning.lowest_swap(base, ctx)
+
+
+def _search_recompute(base, ctx: Context) -> Plan:
+    """Every recomputation of the recompute planner's lower mode."""
+    mode = "memory" if ctx.options.recompute_mode == "memory" else "speed"
+    return modes.lowest_recompute(base, ctx, mode)[0]
+
+
+def _search_swap(base, ctx: Context) -> Plan:
+    """Every swap of the swap planner, conditional under the budget."""
+    return budget_planning.swap_stage(base, ctx, ctx.budget)
+
+
+RECOMPUTE_STAGE, REBUILD_STAGE = Stage("recompute", _recompute), Stage("rebuild", _rebuild)
+SWAP_STAGE = Stage("swap", _swap)
 SWAP_AND_RECOMPUTE = LowerOf((
     Then((RECOMPUTE_STAGE, SWAP_STAGE)),
-    Then((RECOMPUTE_STAGE, Stage("rebuild", deferred=True), SWAP_STAGE),
+    Then((RECOMPUTE_STAGE, REBUILD_STAGE.held_back(), SWAP_STAGE),
          margin=heuristics.REBUILD_PEAK_SHARE),
     Then((SWAP_STAGE,))))
+RECOMPUTE = Then((RECOMPUTE_STAGE, REBUILD_STAGE))
 POLICIES = {
     "off": Keep(),
-    "recompute": Then((RECOMPUTE_STAGE, REBUILD_STAGE)),
+    "recompute": RECOMPUTE,
     "swap": Then((SWAP_STAGE,)),
     "swap+recompute": SWAP_AND_RECOMPUTE,
-    "auto": FitBudget((RECOMPUTE_STAGE, SWAP_STAGE), fallback=SWAP_AND_RECOMPUTE),
+    "auto": FitBudget((_search_recompute, _search_swap), fallback=SWAP_AND_RECOMPUTE,
+                      others=(RECOMPUTE,)),
 }
 
 
-def plan(policy: str, base, ctx: Context, name: str = "") -> Outcome:
-    """Plans an analyzed training graph under a user policy.
+def composed(policy: str, composition, base, ctx: Context) -> Outcome:
+    """A user policy's composition planned on an analyzed training graph,
+    finished (weight gradients first, held to its order) and standing only
+    where it gains enough (_standing). Policy "auto" runs here as its
+    fallback; under a budget or a device limit the fit loop runs it
+    (sntf.planner.fit).
 
     Args:
-      policy: a key of POLICIES.
+      policy: a key of POLICIES, for notes.
+      composition: what runs: a Then, LowerOf or Keep.
       base: the analyzed graph (sntf.analysis.Analyzed).
       ctx: the planning context.
-      name: the graph's name, for messages.
 
     Returns:
       The Outcome.
     """
-    composition = POLICIES[policy]
     if isinstance(composition, Keep):
-        return Outcome(_with_keeps(identity_plan(policy, OFF_NOTE), base, {},
+        return Outcome(with_keeps(identity_plan(policy, OFF_NOTE), base, {},
                                    "policy 'off'"))
-    if isinstance(composition, FitBudget):
-        if ctx.budget is not None:
-            fitted = _fitted_in_order(base, ctx, name)
-            if fitted.fields.get("budget_fits") or ctx.budget_behaviour != "best_effort":
-                return fitted
-            return _least_unmet(fitted, base, ctx, name, composition.fallback)
-        composition = composition.fallback
-    return _standing(_finished(policy, composition, base, ctx, {}), base, ctx, policy)
+    return _standing(finished(policy, composition, base, ctx, {}), base, ctx, policy)
 
 
-def _finished(policy: str, composition, base, ctx: Context, proposals: dict,
+def finished(policy: str, composition, base, ctx: Context, proposals: dict,
               rival=None) -> Optional[Outcome]:
     """A composition's outcome with weight gradients first and held to its
     order (sntf.planner.finish).
@@ -289,7 +336,7 @@ def _finished(policy: str, composition, base, ctx: Context, proposals: dict,
     composed = _composed(policy, composition, base, ctx, proposals, rival)
     if composed is None:
         return None
-    return pinned(gradients_first(composed, ctx), base, ctx)
+    return pinned(gradients_first(composed, ctx), ctx)
 
 
 def _lowest(policy: str, composition: LowerOf, base, ctx: Context,
@@ -301,12 +348,12 @@ def _lowest(policy: str, composition: LowerOf, base, ctx: Context,
         return o.planned.peak if o.planned is not None else base.peak
 
     # (position, part, margin in bytes, outcome, planned peak)
-    finished = []
+    done = []
     for k, part in enumerate(composition.parts):
         if not getattr(part, "margin", 0.0):
-            o = _finished(policy, part, base, ctx, proposals)
-            finished.append((k, part, 0.0, o, peak(o)))
-    plain = min(finished, key=lambda f: (f[4], f[0]))
+            o = finished(policy, part, base, ctx, proposals)
+            done.append((k, part, 0.0, o, peak(o)))
+    plain = min(done, key=lambda f: (f[4], f[0]))
     best = plain
     for k, part in enumerate(composition.parts):
         margin = getattr(part, "margin", 0.0) * base.peak
@@ -314,14 +361,14 @@ def _lowest(policy: str, composition: LowerOf, base, ctx: Context,
             # A part with a deferred stage is held to the same part without
             # it, whose graph names the tensors the stage acts on.
             without = tuple(s for s in part.parts if not getattr(s, "deferred", False))
-            rival = next((f[3].planned or base for f in finished
+            rival = next((f[3].planned or base for f in done
                           if getattr(f[1], "parts", None) == without), None)
-            o = _finished(policy, part, base, ctx, proposals, rival)
+            o = finished(policy, part, base, ctx, proposals, rival)
             if o is not None:
-                finished.append((k, part, margin, o, peak(o)))
+                done.append((k, part, margin, o, peak(o)))
                 if peak(o) < plain[4] - margin and peak(o) < best[4]:
-                    best = finished[-1]
-    first = min(finished, key=lambda f: f[0])
+                    best = done[-1]
+    first = min(done, key=lambda f: f[0])
     _, part, _, outcome, planned_peak = best
     if part is not first[1]:
         label = part.label + (" alone" if len(part.parts) == 1 else "")
@@ -332,89 +379,23 @@ def _lowest(policy: str, composition: LowerOf, base, ctx: Context,
 
 def _standing(outcome: Outcome, base, ctx: Context, policy: str) -> Outcome:
     """The outcome, or, without a budget, the graph unchanged where the
-    rewritten graph plans less than ctx.min_gain below the original: a gain
+    rewritten graph plans less than ctx.options.min_gain below the original: a gain
     the analysis cannot stand behind is not worth the rewrite's time, nor
     the risk of a measured peak above TensorFlow's own. Under a budget every
     byte the plan saves counts toward it."""
     planned = outcome.planned
     if planned is None or ctx.budget is not None:
         return outcome
-    floor = int(base.peak * (1.0 - ctx.min_gain))
+    floor = int(base.peak * (1.0 - ctx.options.min_gain))
     if planned.peak <= floor:
         return outcome
     note = (f"policy {policy!r}: not applied: the planned peak would not fall by "
-            f"{ctx.min_gain * 100:g}% ({base.peak} -> {planned.peak} bytes), within "
+            f"{ctx.options.min_gain * 100:g}% ({base.peak} -> {planned.peak} bytes), within "
             f"the analysis' error (option min_gain)")
     kept = {d.tensor: [note] for d in acting(outcome.plan.decisions)}
     unchanged = Plan(policy=outcome.plan.policy, notes=outcome.plan.notes + (note,))
-    return Outcome(_with_keeps(unchanged, base, kept, f"policy {policy!r}"),
+    return Outcome(with_keeps(unchanged, base, kept, f"policy {policy!r}"),
                    fields=outcome.fields, warnings=outcome.warnings)
-
-
-def _fitted_in_order(base, ctx: Context, name: str) -> Outcome:
-    """Policy "auto" under a budget: the plan that fits it, held to its
-    planned order.
-
-    A plan fitted close to its target can leave its order edges no room
-    (they may raise the one-order prediction a little), and without them
-    the inter-op pool runs some other order: the measured peak is left to
-    chance. Such a plan is fitted once more under a target lower by what
-    the edges added, and that plan is taken where it fits with its edges."""
-    outcome = pinned(gradients_first(_fitted(base, ctx, name), ctx), base, ctx)
-    held = outcome.held_in_margin
-    if held is None:
-        return outcome
-    rise = held.planned.peak - outcome.planned.peak
-    roomy = dataclasses.replace(ctx, order_reserve=ctx.order_reserve + rise)
-    # The edges are then judged against the budget's own target (ctx).
-    again = pinned(gradients_first(_fitted(base, roomy, name), roomy), base, ctx)
-    if again.pinned and again.fields.get("budget_fits"):
-        return again
-    # No plan fits the target with its edges: the first plan keeps them,
-    # its planned peak a little into the budget's margin. The margin is
-    # there for the analysis' error, and an order the executor does not
-    # keep errs far more than the edges' rise (the swish all-conv net's
-    # plan, unchained, measured up to 1.23 times its budget).
-    return held
-
-
-def _least_unmet(fitted: Outcome, base, ctx: Context, name: str, fallback) -> Outcome:
-    """Policy "auto" under a budget no plan of its search meets: the lowest
-    of the search's plan and the plans of its fallback composition and of
-    policy "recompute", each planned in the executor's order and, where
-    order edges are allowed, held to a memory-aware order.
-
-    The search decides per buffer, in the executor's order; the
-    compositions' stages and orders reach plans it does not (BENCHMARKS.md,
-    "A budget no plan meets"). A budget that cannot be met asks
-    for the lowest plan sntf has, so it is never above one the policies
-    find. Such a plan is never said to fit: a budget's fit is judged in
-    the executor's order, which the run reaches unchained."""
-    def peak(o):
-        return (o.planned or base).peak
-
-    best, how = fitted, None
-    orders = [(ctx, "in the executor's order")]
-    if ctx.pin_allowed:
-        orders.append((dataclasses.replace(ctx, memory_order=True, pin_order=True),
-                       "held to a memory-aware order"))
-    for composition in (fallback, POLICIES["recompute"]):
-        for tried, label in orders:
-            outcome = _finished("auto", composition, base, tried, {})
-            if outcome is not None and outcome.planned is not None \
-                    and peak(outcome) < peak(best):
-                best, how = outcome, f"{composition.label} {label}"
-    if how is None:
-        return fitted
-    target = budget_planning.budget_target(base, ctx)
-    warning = budget_planning.unmet_warning(base, ctx, target, peak(best), name)
-    fields = {**fitted.fields, "budget_fits": False, "achievable_peak_bytes": peak(best),
-              "predicted_seconds_added": sum(d.seconds_added or 0.0 for d in acting(
-                  best.plan.decisions))}
-    best = noted(best, (f"auto: the budget search's least plan ({peak(fitted)} bytes) "
-                        f"is above {how} ({peak(best)} bytes), which is applied; "
-                        f"{warning[len('sntf: '):]}"))
-    return dataclasses.replace(best, fields=fields, warnings=(warning,))
 
 
 def _composed(policy: str, composition, base, ctx: Context, proposals: dict,
@@ -426,39 +407,16 @@ def _composed(policy: str, composition, base, ctx: Context, proposals: dict,
     notes, headroom = list(run.notes), None
     cache_budget = ctx.budget if run.swaps else None
     if cache_budget is not None:
-        headroom = budget_planning.cache_headroom(run.current.facts, cache_budget,
-                                                  ctx.outside_bytes, ctx.budget_margin)
-        notes.append(budget_planning.cache_note(run.current.facts, cache_budget,
-                                                ctx.outside_bytes, ctx.budget_margin))
+        headroom = ctx.room.headroom(run.current.facts)
+        notes.append(ctx.room.cache_note(run.current.facts))
     result = Plan(policy=policy, decisions=tuple(run.decisions), notes=tuple(notes),
                   recomputes=run.recomputes, swaps=run.swaps, orders=run.orders,
                   cache_budget=cache_budget)
-    return Outcome(_with_keeps(result, base, run.kept, f"policy {policy!r}"),
+    return Outcome(with_keeps(result, base, run.kept, f"policy {policy!r}"),
                    run.current if modified else None, headroom)
 
 
-def _fitted(base, ctx: Context, name: str) -> Outcome:
-    fitted = budget_planning.fit_budget(base, ctx, name)
-    choice = fitted.choice
-    fields = {"budget_fits": choice.fits, "predicted_seconds_added": choice.seconds}
-    if not choice.fits:
-        fields["achievable_peak_bytes"] = choice.peak
-    kept: dict = {}
-    for candidate in fitted.candidates:
-        for d in candidate.decisions:
-            why = (d.reason if d.action == KEEP else
-                   "budget: " + ("met without it" if choice.fits else "not applied"))
-            kept.setdefault(d.tensor, []).append(why)
-    headroom = None
-    if fitted.planned is not None and fitted.plan.swaps:
-        headroom = budget_planning.cache_headroom(fitted.planned.facts, ctx.budget,
-                                                  ctx.outside_bytes, ctx.budget_margin)
-    warnings = (fitted.warning,) if fitted.warning else ()
-    return Outcome(_with_keeps(fitted.plan, base, kept, "policy 'auto'"),
-                   fitted.planned, headroom, fields, warnings)
-
-
-def _with_keeps(result: Plan, base, kept: dict, default: str) -> Plan:
+def with_keeps(result: Plan, base, kept: dict, default: str) -> Plan:
     """The plan with a KEEP decision for every forward tensor the backward
     pass reads that it does not move, each with the reasons gathered."""
     acted = {d.tensor for d in result.decisions}

@@ -1,0 +1,306 @@
+"""The fit loop: the planner's entry point, and policy "auto" wherever a
+budget or a device's allocator limit binds the plan.
+
+Policy "auto" is a FitBudget (sntf.planner.policies). Where nothing binds,
+its fallback composition runs as any policy's does. Where the room
+(sntf.planner.room) binds, this loop gathers the plans sntf can make of
+the graph and takes the one the room holds:
+
+  under a budget
+    1. the budget search (sntf.planner.budget) over the FitBudget's
+       sources, at the room's target, finished in the executor's order;
+       where its order edges leave it no room, again under a target lower
+       by what they added (_searched);
+    2. where the allocator model runs out of memory on that plan under
+       the device's limit, again under targets lower by steps
+       (heuristics.DEVICE_REFIT_SHARE of the budget, at most
+       heuristics.DEVICE_REFITS);
+    3. where no search plan fits: the FitBudget's compositions, each in
+       the executor's order and, where the user allows order edges, held
+       to a memory-aware order.
+  under a device limit alone
+    the graph as it is where the allocator model fits it; else the
+    fallback composition in the executor's order, and where the model
+    runs out of memory on that, held to a memory-aware order.
+
+Which plan is taken:
+  - a search plan that fits: the search minimizes predicted time over
+    options that hold the compositions' own recomputations and swaps;
+  - else the composition, in the executor's order, of least predicted
+    time among those that fit;
+  - else the lowest planned peak of every plan tried, never said to fit.
+A plan held to a memory-aware order never fits a budget: a budget's fit is
+judged in the executor's order, the one a run reaches unchained
+(finish._sequenced).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sntf.planner import budget as budget_planning
+from sntf.planner import device_limit, heuristics, policies
+from sntf.planner.context import Context
+from sntf.planner.finish import gradients_first, pinned
+from sntf.planner.plan import KEEP, Outcome, acting, identity_plan, noted
+
+
+def plan(policy: str, base, ctx: Context, name: str = "") -> Outcome:
+    """Plans an analyzed training graph under a user policy.
+
+    Args:
+      policy: a key of policies.POLICIES.
+      base: the analyzed graph (sntf.analysis.Analyzed).
+      ctx: the planning context; ctx.room says what binds the plan.
+      name: the graph's name, for messages.
+
+    Returns:
+      The Outcome; under a device limit its fields say whether the plan
+      fits it (device_limit_fits), under a budget whether it fits that
+      (budget_fits).
+    """
+    composition = policies.POLICIES[policy]
+    if not isinstance(composition, policies.FitBudget):
+        return policies.composed(policy, composition, base, ctx)
+    room = ctx.room
+    if room.budget is None and room.limit is None:
+        return policies.composed(policy, composition.fallback, base, ctx)
+    if room.budget is None:
+        unchanged = device_limit.unchanged_note(base, room)
+        if unchanged is not None:
+            return Outcome(identity_plan(policy, unchanged),
+                           fields={"device_limit_fits": True})
+        outcome = _under_limit(policy, composition, base, ctx)
+    else:
+        outcome = _under_budget(composition, base, ctx, name)
+        if room.limit is not None:
+            outcome = device_limit.cache_fitted(outcome, room)
+    if room.limit is None:
+        return outcome
+    return device_limit.checked(outcome, base, room, name)
+
+
+def _under_limit(policy: str, composition, base, ctx: Context) -> Outcome:
+    """Without a budget, under a device limit: the fallback composition in
+    the executor's order where the allocator model fits it; else held to a
+    memory-aware order by order edges, where that plans lower.
+
+    The executor's order is the one a run reaches unchained, so a plan
+    that fits in it is kept. But it defers every op the input gradients'
+    chain does not wait for, and what those ops read stays alive
+    (BENCHMARKS.md, "The device limit in every training loop"). A plan
+    that runs out of memory anyway gains from the lower order: held by its
+    edges, the run follows it."""
+    room = ctx.room
+    first = policies.composed(policy, composition.fallback, base, ctx)
+    planned = first.planned or base
+    if (not room.runs_out(planned.facts) or not ctx.options.pin_order
+            or (ctx.search.memory_order and ctx.search.pin_order)):
+        return first
+    again = policies.composed(policy, composition.fallback, base,
+                              ctx.searching(memory_order=True, pin_order=True))
+    held = again.planned
+    if held is None or not again.pinned or held.peak >= planned.peak:
+        return first
+    return noted(again, (
+        f"device: in the executor's order the plan ({planned.peak} bytes) runs out of "
+        f"memory in a model of {room.device}'s allocator under its limit of "
+        f"{room.limit} bytes; held to a memory-aware order it plans {held.peak} bytes"))
+
+
+def _peak(outcome: Outcome, base) -> int:
+    return (outcome.planned or base).peak
+
+
+def _under_budget(fit: policies.FitBudget, base, ctx: Context, name: str) -> Outcome:
+    """Under a budget: the plan the module docstring's order takes."""
+    room = ctx.room
+    first = _searched(fit, base, ctx, name)
+    tried = [(first, 0)]
+    if first.fields.get("budget_fits"):
+        if not room.runs_out((first.planned or base).facts):
+            return first
+        refit, tried = _refitted(fit, base, ctx, first, name)
+        if refit is not None:
+            return refit
+        if ctx.options.budget_behaviour == "unchanged":
+            return Outcome(identity_plan("auto", (
+                f"device: a model of {room.device}'s allocator runs out of memory under "
+                f"its limit of {room.limit} bytes on every plan tried: graph left "
+                "unchanged (budget_behaviour='unchanged')")),
+                fields={**first.fields, "budget_fits": False}, warnings=first.warnings)
+    elif ctx.options.budget_behaviour == "unchanged":
+        return first        # the search's unmet plan: the graph unchanged
+    return _composed(fit, base, ctx, tried, name)
+
+
+def _searched(fit: policies.FitBudget, base, ctx: Context, name: str) -> Outcome:
+    """The budget search's plan, held to its planned order.
+
+    A plan fitted close to its target can leave its order edges no room
+    (they may raise the one-order prediction a little), and without them
+    the inter-op pool runs some other order: the measured peak is left to
+    chance. Such a plan is fitted once more under a target lower by what
+    the edges added, and that plan is taken where it fits with its edges.
+    Where none does, the first plan keeps them, its planned peak a little
+    into the budget's margin: the margin is there for the analysis' error,
+    and an order the executor does not keep errs far more than the edges'
+    rise."""
+    outcome = pinned(gradients_first(_search(fit, base, ctx, name), ctx), ctx)
+    held = outcome.held_in_margin
+    if held is None:
+        return outcome
+    rise = held.planned.peak - outcome.planned.peak
+    roomy = ctx.searching(order_reserve=ctx.search.order_reserve + rise)
+    # The edges are then judged against the budget's own target (ctx).
+    again = pinned(gradients_first(_search(fit, base, roomy, name), roomy), ctx)
+    if again.pinned and again.fields.get("budget_fits"):
+        return again
+    return held
+
+
+def _search(fit: policies.FitBudget, base, ctx: Context, name: str) -> Outcome:
+    """The budget search's outcome (budget.fit_budget), with the reasons
+    each tensor was kept."""
+    fitted = budget_planning.fit_budget(base, ctx, fit.sources, name)
+    choice = fitted.choice
+    fields = {"budget_fits": choice.fits, "predicted_seconds_added": choice.seconds}
+    if not choice.fits:
+        fields["achievable_peak_bytes"] = choice.peak
+    kept: dict = {}
+    for candidate in fitted.candidates:
+        for d in candidate.decisions:
+            why = (d.reason if d.action == KEEP else
+                   "budget: " + ("met without it" if choice.fits else "not applied"))
+            kept.setdefault(d.tensor, []).append(why)
+    headroom = None
+    if fitted.planned is not None and fitted.plan.swaps:
+        headroom = ctx.room.headroom(fitted.planned.facts)
+    warnings = (fitted.warning,) if fitted.warning else ()
+    return Outcome(policies.with_keeps(fitted.plan, base, kept, "policy 'auto'"),
+                   fitted.planned, headroom, fields, warnings)
+
+
+def _refitted(fit: policies.FitBudget, base, ctx: Context, first: Outcome,
+              name: str) -> tuple:
+    """Where the allocator model runs out of memory on a plan that fits the
+    budget's target: the first search plan under a lower target that it
+    does not run out on.
+
+    A growing allocator's regions are capped by what the limit leaves, and
+    a chunk never spans two of them (analysis.bfc); a lower planned peak
+    leaves the regions more free chunks. The target comes down in steps of
+    heuristics.DEVICE_REFIT_SHARE of the budget, at most
+    heuristics.DEVICE_REFITS times, and stops where the search fits no
+    plan under it.
+
+    Returns:
+      (the refitted outcome or None, [(outcome, bytes it was fitted
+      lower)] for every search plan tried, first first).
+    """
+    room, target = ctx.room, budget_planning.budget_target(ctx)
+    step = int(heuristics.DEVICE_REFIT_SHARE * room.budget)
+    tried = [(first, 0)]
+    for k in range(1, heuristics.DEVICE_REFITS + 1):
+        lower = ctx.searching(region_reserve=ctx.search.region_reserve + k * step)
+        again = _searched(fit, base, lower, name)
+        planned = again.planned or base
+        if planned.peak <= target and not room.runs_out(planned.facts):
+            # It fits the budget's own target: not the lowered one's unmet
+            # warning, and no achievable peak to report.
+            fields = {key: value for key, value in again.fields.items()
+                      if key != "achievable_peak_bytes"}
+            return noted(dataclasses.replace(
+                again, fields={**fields, "budget_fits": True}, warnings=first.warnings), (
+                f"device: the plan for the budget's target ran out of memory in a model "
+                f"of {room.device}'s allocator under its limit of {room.limit} bytes "
+                f"(regions fragment), so it is fitted {k * step} bytes lower")), tried
+        tried.append((again, k * step))
+        if planned.peak > target - k * step:
+            break                                   # the lowest search plan there is
+    return None, tried
+
+
+def _composed(fit: policies.FitBudget, base, ctx: Context, tried: list,
+              name: str) -> Outcome:
+    """Where no search plan fits: the composition of least predicted time
+    that fits, in the executor's order; else the lowest plan tried (the
+    search's first on a tie), never said to fit.
+
+    The search decides per buffer, in the executor's order; the
+    compositions' stages and orders reach plans it does not (BENCHMARKS.md,
+    "A budget no plan meets"), so a budget it cannot meet is never planned
+    above one a policy finds.
+
+    Args:
+      fit, base, ctx, name: as _under_budget's.
+      tried: [(outcome, bytes it was fitted lower)] of the search plans
+        tried, the first (at the room's own target) first.
+    """
+    room, target = ctx.room, budget_planning.budget_target(ctx)
+    orders = [(ctx, "in the executor's order", True)]
+    if ctx.options.pin_order:
+        orders.append((ctx.searching(memory_order=True, pin_order=True),
+                       "held to a memory-aware order", False))
+    first = tried[0][0]
+    # (outcome, how: None for a search plan, bytes it was fitted lower,
+    # whether its order is the executor's)
+    lowest = min(((o, None, lowered, True) for o, lowered in tried),
+                 key=lambda t: _peak(t[0], base))
+    executor_peaks = [_peak(o, base) for o, _ in tried]
+    fitting = []
+    for composition in fit.compositions:
+        for tried_ctx, label, trusted in orders:
+            outcome = policies.finished("auto", composition, base, tried_ctx, {})
+            if outcome is None or outcome.planned is None:
+                continue
+            how = f"{composition.label} {label}"
+            if trusted:
+                executor_peaks.append(_peak(outcome, base))
+            if trusted and outcome.planned.peak <= target \
+                    and not room.runs_out(outcome.planned.facts):
+                fitting.append((_seconds(outcome), len(fitting), outcome, how))
+            if _peak(outcome, base) < _peak(lowest[0], base):
+                lowest = (outcome, how, 0, trusted)
+    if fitting:
+        _, _, outcome, how = min(fitting, key=lambda f: f[:2])
+        fields = {key: value for key, value in first.fields.items()
+                  if key != "achievable_peak_bytes"}
+        fields.update(budget_fits=True, predicted_seconds_added=_seconds(outcome))
+        return noted(dataclasses.replace(outcome, fields=fields), (
+            f"auto: the budget search fits no plan under the target (its least "
+            f"{_peak(first, base)} bytes); {how} fits it ({_peak(outcome, base)} bytes) "
+            "at the least predicted time of the compositions that do, and is applied"))
+    best, how, lowered, trusted = lowest
+    if best is first:
+        return first
+    peak = _peak(best, base)
+    taken = how or f"fitted {lowered} bytes lower"
+    if peak <= target and room.limit is not None:
+        # The allocator model runs out of memory on every plan in the
+        # executor's order (checked says so of this one): the lowest leaves
+        # the step the most room.
+        return noted(dataclasses.replace(best, fields={**best.fields, "budget_fits": trusted}), (
+            f"device: a model of {room.device}'s allocator runs out of memory under its "
+            f"limit of {room.limit} bytes on every plan tried, so the lowest is taken "
+            f"({taken})"))
+    fields = {**first.fields, "budget_fits": False, "achievable_peak_bytes": peak,
+              "predicted_seconds_added": _seconds(best)}
+    if peak <= target:
+        # Below the target only in an order its edges hold: applied, but a
+        # budget's fit is judged in the executor's order.
+        least = min(executor_peaks)
+        warning = budget_planning.unmet_warning(base, ctx, target, least, name, peak)
+        note = (f"auto: in the executor's order no plan fits the target; {taken} "
+                f"plans {peak} bytes and is applied, not said to fit; "
+                f"{warning[len('sntf: '):]}")
+    else:
+        warning = budget_planning.unmet_warning(base, ctx, target, peak, name)
+        note = (f"auto: the budget search's least plan ({_peak(first, base)} bytes) is "
+                f"above {taken} ({peak} bytes), which is applied; "
+                f"{warning[len('sntf: '):]}")
+    return dataclasses.replace(noted(best, note), fields=fields, warnings=(warning,))
+
+
+def _seconds(outcome: Outcome) -> float:
+    return sum(d.seconds_added or 0.0 for d in acting(outcome.plan.decisions))
