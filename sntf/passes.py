@@ -160,9 +160,10 @@ XLA_AUTO_JIT = ("XLA auto-clustering is on (TF_XLA_FLAGS --tf_xla_auto_jit or "
 def _skip_reason(graph_def, index, report: dict, env: Environment
                  ) -> tuple[Optional[str], str]:
     """(why the pass does not act on this graph at all, or None; why it is a
-    training graph)."""
+    training graph). The report's field skip gets the first as a code."""
     if index.sntf_nodes:
         report["training"] = True
+        report["skip"] = "already_rewritten"
         return (f"already rewritten by sntf ({len(index.sntf_nodes)} "
                 "sntf nodes); the pass is idempotent"), ""
     with reports.timed(report, "detect"):
@@ -170,13 +171,16 @@ def _skip_reason(graph_def, index, report: dict, env: Environment
     report["training"] = info.training
     if not info.training:
         report["action"] = SKIPPED
+        report["skip"] = "not_training"
         return f"not a training graph: {info.reason}", info.reason
     if graph.xla_compiled(graph_def):
         report["action"] = SKIPPED
+        report["skip"] = "xla_compiled"
         return ("XLA-compiled graph: custom ops cannot run inside "
                 "an XLA cluster, so sntf leaves it alone"), info.reason
     if env.xla_auto_jit:
         report["action"] = SKIPPED
+        report["skip"] = "xla_auto_jit"
         return XLA_AUTO_JIT, info.reason
     return None, info.reason
 
@@ -188,7 +192,8 @@ def _run(graph_def, index, state: config.State, report: dict,
         report["reason"] = skip
         return PassResult(None, report)
     if defer and (state.policy != "off" or state.options.identity_rewrite):
-        report["reason"] = f"training graph ({why_training}); {DEFERRED}"
+        report["deferred"] = True
+        _explain(report, why_training, (DEFERRED,))
         return PassResult(None, report, deferred=True)
     original = graph_def
     with reports.timed(report, "sums"):
@@ -197,7 +202,7 @@ def _run(graph_def, index, state: config.State, report: dict,
     report["order_dependent_sums"] = sums.fields()
     if sums.code is not None:
         report["action"] = UNCHANGED
-        report["reason"] = f"training graph ({why_training}); {sums.note()}"
+        _explain(report, why_training, (sums.note(),))
         if state.options.keep_graphs:
             report.update(original_graph=graph_def, rewritten_graph=graph_def)
         return PassResult(None, report)
@@ -247,13 +252,20 @@ def _run(graph_def, index, state: config.State, report: dict,
         outcome.planned.facts if outcome.planned else None, plan, handed)
     if rewritten is not None or state.options.identity_rewrite:
         report["action"] = REWRITTEN
-        report["reason"] = (f"training graph ({why_training}); "
-                            + "; ".join(plan.notes or ("plan applied",)))
+        _explain(report, why_training, plan.notes or ("plan applied",))
         result.graph_def = handed
     else:
         report["action"] = UNCHANGED
-        report["reason"] = f"training graph ({why_training}); " + "; ".join(plan.notes)
+        _explain(report, why_training, plan.notes)
     return result
+
+
+def _explain(report: dict, why_training: str, notes) -> None:
+    """The report's reason for a training graph: why it is one, then what
+    was done with it (its notes, also kept apart for readers of the report)."""
+    report["training_reason"] = why_training
+    report["notes"] = list(notes)
+    report["reason"] = f"training graph ({why_training}); " + "; ".join(notes)
 
 
 HELD_ALONE = ("order-dependent sums held to one order ({} edge(s) between additions of "
@@ -317,7 +329,8 @@ def _record_plan(outcome: planner.Outcome, base: Optional[Analyzed],
                  budget: Optional[int], report: dict) -> planner.Plan:
     """Fills the report from the plan."""
     plan = outcome.plan
-    report.update(outcome.fields)
+    if outcome.fit is not None:
+        report.update(outcome.fit.fields())
     if base is not None:
         # The plan is chosen on the graph alone. What the device holds
         # outside it shapes the allocator's layout for it, so the reported

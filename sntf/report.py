@@ -28,6 +28,15 @@ def new_report(name: str = "", nodes: int = 0) -> dict:
         "nodes": nodes,
         "action": UNCHANGED,
         "reason": "",
+        # For a training graph, the reason's parts: why it is one, and the
+        # notes on what was done with it.
+        "training_reason": None,
+        "notes": [],
+        # The pass waits for Grappler's last iteration to plan the graph.
+        "deferred": False,
+        # Why the pass did not act on the graph at all, as a code:
+        # "not_training", "xla_compiled", "xla_auto_jit", "already_rewritten".
+        "skip": None,
         "policy": None,
         "predicted_peak_bytes": None,
         "planned_peak_bytes": None,
@@ -56,6 +65,12 @@ def new_report(name: str = "", nodes: int = 0) -> dict:
         # not), and the plan's predicted extra seconds per step.
         "budget_bytes": None,
         "budget_fits": None,
+        # Where a budget or a device limit binds the plan: how the plan
+        # stands against them (sntf.planner.plan.FIT_CODES), and the planned
+        # peak a budget's plan must not exceed (the budget less its margin,
+        # what the device holds outside the graph and the allocator's slack).
+        "fit": None,
+        "budget_target_bytes": None,
         # With the tensor cache: the device peak predicted with the cache
         # keeping swapped tensors within its headroom (planned_peak_bytes
         # counts every swap as a copy).

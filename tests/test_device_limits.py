@@ -182,7 +182,7 @@ def test_under_a_budget_a_plan_the_allocator_model_runs_out_on_is_fitted_lower()
     run, _ = _budget_plan(0.85)
     report = run.report
     assert report["budget_fits"] is True and report["device_limit_fits"] is True
-    assert _notes(report, "device: the plan for the budget's target ran out of memory")
+    assert report["fit"] == "refit_fits"
     planned = report["planned_analysis_result"]
     assert planned.budget_peak_bytes < first.budget_peak_bytes
     assert not _room(budget).runs_out(planned)
@@ -212,7 +212,7 @@ def test_where_the_allocator_model_runs_out_on_every_plan_the_lowest_is_taken(
 
     run, _ = _budget_plan(0.7)
     report = run.report
-    assert _notes(report, "device: a model of CPU:0's allocator runs out of memory")
+    assert report["fit"] == "device_runs_out"
     assert report["budget_fits"] is False and report["device_limit_fits"] is False
     g, props = mlp_step(**WIDE_MLP)
     # Under a limit the plan holds the executor's order; without a budget

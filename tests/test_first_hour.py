@@ -398,18 +398,26 @@ def test_summary_line_of_a_report():
         "train step of 'm': rewritten, peak 100.0 -> 60.0 MiB, budget 64.0 MiB, "
         "swapped 2, recomputed 1; no plan reaches the target (the budget less margin "
         "and allocator slack); least planned 70.0 MiB")
-    report["reason"] = "auto: budget 67108864 bytes (plan target 41943040 bytes: ...)"
+    # The target comes from its field, never from the reason's prose.
+    report["reason"] = "auto: budget 67108864 bytes (plan target 1 bytes: ...)"
+    report["budget_target_bytes"] = 40 << 20
     assert plugin.short_reason(report) == (
         "no plan reaches the 40.0 MiB target (the budget less margin and allocator "
         "slack); least planned 70.0 MiB")
     report["budget_fits"] = True
     assert plugin.short_reason(report) == (
         "fits the 40.0 MiB target (the budget less margin and allocator slack)")
-    report["reason"] = "training graph (x (y)); " + "z" * 900
-    report.update(budget_bytes=None, budget_fits=None)
+    # A training graph's gist is its notes, not why it is a training graph.
+    report.update(reason="training graph (x (y)); " + "z" * 900, training_reason="x (y)",
+                  notes=["z" * 900], budget_bytes=None, budget_fits=None)
     reason = plugin.short_reason(report)
     assert reason == "z" * 107 + "..." and len(reason) == plugin.REASON_CHARACTERS
-    report.update(action="skipped", reason="XLA-compiled graph: custom ops cannot run")
+    report["notes"] = ["swap: 3 tensor(s)", "order: 2 edge(s)", "y" * 200]
+    assert plugin.short_reason(report) == "swap: 3 tensor(s); order: 2 edge(s)"
+    report.update(deferred=True)
+    assert plugin.short_reason(report).startswith("deferred: ")
+    report.update(action="skipped", reason="XLA-compiled graph: custom ops cannot run",
+                  deferred=False, training_reason=None, notes=[])
     assert plugin.short_reason(report) == "XLA-compiled graph: custom ops cannot run"
 
 
@@ -439,3 +447,19 @@ def test_pool_fallback_warning_reads_the_loaded_op_library(monkeypatch, caplog):
         noops.check_pool_fallbacks()
     lines = [r.getMessage() for r in caplog.records if "could not hold" in r.getMessage()]
     assert len(lines) == 1 and "limit 4096 bytes" in lines[0] and "2 swapped" in lines[0]
+
+
+def test_an_xla_skip_is_told_by_its_code_not_its_wording(monkeypatch):
+    """A training graph skipped as XLA-compiled is warned about once, by the
+    report's skip code; a reason that merely mentions XLA is not."""
+    from sntf.runtime import noops
+
+    monkeypatch.setattr(noops, "_warned", set())
+    told = []
+    monkeypatch.setattr(noops, "warn_once", lambda cause, **f: told.append(cause))
+    report = {"training": True, "action": "skipped", "graph": "g",
+              "reason": "not XLA at all", "skip": "not_training"}
+    noops.check_report(report)
+    assert told == []
+    noops.check_report(dict(report, skip="xla_compiled", reason="compiled"))
+    assert told == ["xla_graph"]

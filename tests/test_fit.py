@@ -9,6 +9,7 @@ import pytest
 from graphs import analyzed, context, mlp_step, properties_fn
 from sntf import config, passes, planner
 from sntf.planner import fit, policies
+from sntf.planner.plan import COMPOSITION_FITS, HELD_ORDER_ONLY, UNMET
 from sntf.planner.room import Room, allocator_slack
 
 MIB = 1 << 20
@@ -89,12 +90,12 @@ def test_where_the_search_fits_nothing_the_cheapest_composition_that_fits_is_tak
     assert budget < base.facts.budget_peak_bytes / 0.9, "the unplanned graph would fit"
     ctx = context(memory_order=False, room=Room.of(base.facts, budget))
     outcome = planner.plan("auto", base, ctx)
-    assert outcome.fields["budget_fits"] is True, outcome.plan.notes
-    assert "achievable_peak_bytes" not in outcome.fields
+    assert outcome.fit.budget_fits is True, outcome.plan.notes
+    assert outcome.fit.why == COMPOSITION_FITS
+    assert outcome.fit.achievable is None and outcome.fit.target == ctx.room.target
     assert outcome.planned.peak <= ctx.room.target
     cheapest = min(plans.values(), key=_seconds)
-    assert outcome.fields["predicted_seconds_added"] == pytest.approx(_seconds(cheapest))
-    assert any("fits it" in n for n in outcome.plan.notes), outcome.plan.notes
+    assert outcome.fit.seconds == pytest.approx(_seconds(cheapest))
 
 
 def test_where_nothing_fits_the_lowest_plan_tried_is_taken_and_never_said_to_fit(
@@ -104,12 +105,13 @@ def test_where_nothing_fits_the_lowest_plan_tried_is_taken_and_never_said_to_fit
     auto = _searchless(monkeypatch)
     ctx = context(room=Room.of(base.facts, base.facts.lower_bound_bytes // 2))
     outcome = planner.plan("auto", base, ctx)
-    assert outcome.fields["budget_fits"] is False
+    assert outcome.fit.budget_fits is False
+    assert outcome.fit.why in (UNMET, HELD_ORDER_ONLY)
     tried = [policies.finished("auto", c, base, c_ctx, {}) for c in auto.compositions
              for c_ctx in (ctx, ctx.searching(memory_order=True, pin_order=True))]
     lowest = min(o.planned.peak for o in tried if o is not None and o.planned is not None)
     assert outcome.planned.peak == lowest
-    assert outcome.fields["achievable_peak_bytes"] == lowest
+    assert outcome.fit.achievable == lowest
     assert outcome.warnings and "cannot be met" in outcome.warnings[0]
 
 
@@ -123,5 +125,5 @@ def test_every_policy_but_auto_plans_its_composition_whatever_binds():
         room=Room.of(base.facts, base.facts.budget_peak_bytes // 2)))
     assert [d.tensor for d in planner.acting(bound.plan.decisions)] == \
         [d.tensor for d in planner.acting(free.plan.decisions)]
-    assert "budget_fits" not in bound.fields
+    assert bound.fit is None
     assert fit.plan("off", base, context()).planned is None

@@ -16,6 +16,7 @@ import graphs  # noqa: E402  (the helper module next to this file)
 from sntf import config, passes, planner, rewrite  # noqa: E402
 from sntf.graph import names  # noqa: E402
 from sntf.planner import budget as budget_planning  # noqa: E402
+from sntf.planner import reasons  # noqa: E402
 
 REPORT_KEYS = {"graph", "training", "nodes", "action", "reason", "policy",
                "predicted_peak_bytes", "planned_peak_bytes", "lower_bound_bytes",
@@ -24,7 +25,8 @@ REPORT_KEYS = {"graph", "training", "nodes", "action", "reason", "policy",
                "cudnn_workspace_limit_mb", "budget_bytes", "budget_fits",
                "achievable_peak_bytes", "predicted_seconds_added", "batch_source",
                "outside_bytes", "peak_breakdown", "cached_peak_bytes",
-               "order_dependent_sums"}
+               "order_dependent_sums", "training_reason", "notes", "deferred", "fit",
+               "budget_target_bytes", "skip"}
 OFF = config.State(enabled=True, policy="off")
 OFF_IDENTITY = config.State(enabled=True, policy="off",
                             options=config.Options(identity_rewrite=True))
@@ -70,6 +72,7 @@ def test_training_graph_policy_off_is_unchanged():
     assert report["action"] == passes.UNCHANGED == "unchanged"
     assert report["training"] is True
     assert report["reason"] == f"training graph ({MLP_REASON}); {OFF_NOTE}"
+    assert (report["training_reason"], report["notes"]) == (MLP_REASON, [OFF_NOTE])
     assert report["policy"] == "off"
     assert report["nodes"] == len(graphs.train_mlp().node) == 23
     assert report["graph"] == "gradient_tape,sequential,loss"
@@ -260,31 +263,49 @@ def test_run_pass_is_deterministic():
 # planner
 # --------------------------------------------------------------------------
 
+WHY = (reasons.reason(reasons.MET_WITHOUT, "budget"),)
+
+
 def test_decision_validates_action():
     with pytest.raises(ValueError) as excinfo:
-        planner.Decision("a:0", "drop", "why")
+        planner.Decision("a:0", "drop", WHY)
     assert str(excinfo.value) == (
         "unknown action 'drop'; actions: ('keep', 'swap', 'recompute')")
     with pytest.raises(ValueError):
-        planner.Decision("a:0", "SWAP", "why")
+        planner.Decision("a:0", "SWAP", WHY)
+    with pytest.raises(ValueError, match="unknown reason code 'why'"):
+        reasons.reason("why")
 
 
-def test_decision_fields():
-    d = planner.Decision("a:0", planner.SWAP, "big", bytes_saved=10,
+def test_decision_fields_and_reasons_as_codes():
+    swapped = reasons.reason(reasons.SWAPPED, op="Relu", bytes=4096, readers=2,
+                             swap_ins=1, transfer_seconds=2e-3)
+    d = planner.Decision("a:0", planner.SWAP, (swapped,), bytes_saved=10,
                          seconds_added=0.5)
-    assert (d.tensor, d.action, d.reason, d.bytes_saved, d.seconds_added) == (
-        "a:0", "swap", "big", 10, 0.5)
-    keep = planner.Decision("b:1", planner.KEEP, "small")
-    assert (keep.bytes_saved, keep.seconds_added) == (None, None)
+    assert (d.tensor, d.action, d.kind, d.codes, d.bytes_saved, d.seconds_added) == (
+        "a:0", "swap", "swap", ("swapped",), 10, 0.5)
+    assert d.reason == ("Relu output of 4096 bytes read by 2 backward op(s); 1 swap-in(s), "
+                        "prefetched 2.000 ms of transfer ahead")
+    assert swapped.param("bytes") == 4096
+    keep = planner.keep("b:1", reasons.reason(reasons.BELOW_THRESHOLD, "swap", bytes=8,
+                                              min_bytes=1024),
+                        reasons.reason(reasons.NO_RELEASE, "recompute"))
+    assert (keep.bytes_saved, keep.kind, keep.codes) == (
+        0, "keep", ("below_threshold", "no_release"))
+    assert keep.reason == ("swap: 8 bytes, below swap_min_bytes (1024); "
+                           "recompute: no backward op can release its recomputation")
+    rebuilt = planner.Decision("c:0", planner.RECOMPUTE, (reasons.reason(
+        reasons.REBUILT, op="Sigmoid", readers=3, ops=1, per_reader=False),))
+    assert (rebuilt.action, rebuilt.kind) == ("recompute", "rebuild")
 
 
 def make_plan_with_decisions():
     return planner.Plan(
         policy="auto",
-        decisions=(planner.Decision("a:0", "swap", "r1", 100, 0.25),
-                   planner.Decision("b:0", "keep", "r2"),
-                   planner.Decision("c:1", "recompute", "r3", 50, 0.01),
-                   planner.Decision("d:0", "swap", "r4")),
+        decisions=(planner.Decision("a:0", "swap", WHY, 100, 0.25),
+                   planner.Decision("b:0", "keep", WHY),
+                   planner.Decision("c:1", "recompute", WHY, 50, 0.01),
+                   planner.Decision("d:0", "swap", WHY)),
         predicted_peak_bytes=1000, planned_peak_bytes=850, lower_bound_bytes=400,
         notes=("n1", "n2"))
 
@@ -300,26 +321,31 @@ def test_plan_tensors_in_decision_order():
 def test_plan_changes_graph():
     assert make_plan_with_decisions().changes_graph is True
     assert planner.Plan("off").changes_graph is False
-    keep_only = planner.Plan("auto", (planner.Decision("a:0", "keep", "r"),))
+    keep_only = planner.Plan("auto", (planner.Decision("a:0", "keep", WHY),))
     assert keep_only.changes_graph is False
-    one_recompute = planner.Plan("auto", (planner.Decision("a:0", "keep", "r"),
-                                          planner.Decision("b:0", "recompute", "r")))
+    one_recompute = planner.Plan("auto", (planner.Decision("a:0", "keep", WHY),
+                                          planner.Decision("b:0", "recompute", WHY)))
     assert one_recompute.changes_graph is True
 
 
 def test_plan_to_json_round_trips():
     plan = make_plan_with_decisions()
     loaded = json.loads(plan.to_json())
+    why = [{"code": "met_without", "stage": "budget", "params": {}}]
     assert loaded == {
         "policy": "auto",
         "decisions": [
-            {"tensor": "a:0", "action": "swap", "reason": "r1", "bytes_saved": 100,
+            {"tensor": "a:0", "action": "swap", "kind": "swap",
+             "reason": "budget: met without it", "why": why, "bytes_saved": 100,
              "seconds_added": 0.25},
-            {"tensor": "b:0", "action": "keep", "reason": "r2", "bytes_saved": None,
+            {"tensor": "b:0", "action": "keep", "kind": "keep",
+             "reason": "budget: met without it", "why": why, "bytes_saved": None,
              "seconds_added": None},
-            {"tensor": "c:1", "action": "recompute", "reason": "r3",
+            {"tensor": "c:1", "action": "recompute", "kind": "recompute",
+             "reason": "budget: met without it", "why": why,
              "bytes_saved": 50, "seconds_added": 0.01},
-            {"tensor": "d:0", "action": "swap", "reason": "r4", "bytes_saved": None,
+            {"tensor": "d:0", "action": "swap", "kind": "swap",
+             "reason": "budget: met without it", "why": why, "bytes_saved": None,
              "seconds_added": None},
         ],
         "predicted_peak_bytes": 1000,
@@ -333,7 +359,7 @@ def test_plan_to_json_round_trips():
     }
     rebuilt = planner.Plan(
         policy=loaded["policy"],
-        decisions=tuple(planner.Decision(**d) for d in loaded["decisions"]),
+        decisions=tuple(planner.Decision.from_dict(d) for d in loaded["decisions"]),
         predicted_peak_bytes=loaded["predicted_peak_bytes"],
         planned_peak_bytes=loaded["planned_peak_bytes"],
         lower_bound_bytes=loaded["lower_bound_bytes"],
@@ -391,7 +417,7 @@ def test_apply_plan_copies_without_mutating():
 
 def test_apply_plan_keep_decisions_change_nothing():
     gd = graphs.train_mlp()
-    plan = planner.Plan("auto", (planner.Decision(f"{graphs.RELU}:0", "keep", "r"),))
+    plan = planner.Plan("auto", (planner.Decision(f"{graphs.RELU}:0", "keep", WHY),))
     result = rewrite.apply_plan(gd, plan)
     assert (result.graph_def == gd, result.modified) == (True, False)
 
@@ -400,8 +426,8 @@ def test_apply_plan_keep_decisions_change_nothing():
 def test_apply_plan_refuses_a_decision_without_its_recipe(action):
     gd = graphs.train_mlp()
     before = gd.SerializeToString(deterministic=True)
-    plan = planner.Plan("auto", (planner.Decision("x:0", "keep", "r"),
-                                 planner.Decision(f"{graphs.RELU}:0", action, "r")))
+    plan = planner.Plan("auto", (planner.Decision("x:0", "keep", WHY),
+                                 planner.Decision(f"{graphs.RELU}:0", action, WHY)))
     with pytest.raises(ValueError) as excinfo:
         rewrite.apply_plan(gd, plan)
     assert str(excinfo.value) == (f"plan decides {action} for {graphs.RELU}:0 "

@@ -13,7 +13,7 @@ from sntf import analysis, config, passes, planner, rewrite
 from sntf.graph import names
 from sntf import graph as G
 
-from sntf.planner import budget, modes, rebuild  # noqa: E402
+from sntf.planner import budget, modes, reasons, rebuild  # noqa: E402
 from sntf.testing.workers.measure_peak import measure  # noqa: E402
 
 
@@ -136,9 +136,10 @@ def test_a_conditional_is_left_alone_and_the_rest_planned(cond):
                                    frozenset(idx.fetch))):
         assert any("control flow present" in n for n in plan.notes), plan.notes
         touched = {d.tensor for d in planner.acting(plan.decisions)}
-        kept = {d.tensor: d.reason for d in plan.decisions if d.action == planner.KEEP}
+        kept = {d.tensor: d.codes for d in plan.decisions if d.action == planner.KEEP}
         if forward_cond:
-            assert "under control flow" in kept["p:0"], kept
+            assert kept["p:0"] in ((reasons.CONTROL_FLOW,),
+                                   (reasons.READ_UNDER_CONTROL_FLOW,)), kept
             # p may be dead: neither recomputed nor swapped; r is read by the
             # Switch, so it stays as it is too.
             assert not touched & {"p:0", "r:0"}, touched
@@ -625,8 +626,9 @@ def test_a_plan_within_the_analysis_error_is_not_applied(widths, batch, applied)
     assert outcome.planned is None and not outcome.plan.changes_graph
     assert "would not fall by 5%" in outcome.plan.notes[-1], outcome.plan.notes
     # The tensors the rejected plan moved are kept, each with the reason.
-    reasons = [d.reason for d in outcome.plan.decisions]
-    assert any("would not fall by 5%" in r for r in reasons), reasons
+    kept = [r for d in outcome.plan.decisions for r in d.why
+            if r.code == reasons.BELOW_MIN_GAIN]
+    assert kept and all(r.param("percent") == 5 for r in kept), outcome.plan.decisions
 
 
 def _swish(graph_def=None, mode: str = "speed"):

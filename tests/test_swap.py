@@ -11,6 +11,7 @@ from graphs import DT_FLOAT, DT_INT32, DT_RESOURCE, GraphBuilder, properties_fn
 from sntf import analysis, config, planner, rewrite
 from sntf.graph import names
 from sntf.planner import budget as budget_planning
+from sntf.planner import reasons
 from sntf.planner import room as room_module
 from sntf.planner.room import Room
 from sntf.planner import heuristics
@@ -98,8 +99,9 @@ def test_plan_swaps_the_large_tensor_the_backward_pass_reads():
     # Every other forward tensor the backward pass reads is kept, and the
     # plan says why: the loss is a scalar (4 bytes, one 256-byte allocator
     # granule), far below swap_min_bytes.
-    kept = {d.tensor: d.reason for d in plan.decisions if d.action == planner.KEEP}
-    assert kept == {"loss:0": "swap: 256 bytes, below swap_min_bytes (1048576)"}
+    kept = {d.tensor: d.why for d in plan.decisions if d.action == planner.KEEP}
+    assert kept == {"loss:0": (reasons.reason(reasons.BELOW_THRESHOLD, "swap", bytes=256,
+                                              min_bytes=1048576),)}
     swap = plan.swaps[0]
     assert swap.dtype == DT_FLOAT
     readers = sorted(c for g_ in swap.groups for c in g_.consumers)

@@ -16,7 +16,7 @@ from typing import Optional
 
 from sntf.analysis import tensor_cache
 from sntf.planner import heuristics
-from sntf.planner.plan import Outcome, noted
+from sntf.planner.plan import Outcome, noted, refit
 from sntf.planner.room import Room
 
 
@@ -70,17 +70,16 @@ def cache_fitted(outcome: Outcome, room: Room) -> Outcome:
 
 
 def checked(outcome: Outcome, base, room: Room, name: str) -> Outcome:
-    """The outcome, its field device_limit_fits saying whether the graph as
-    planned fits the device's limit by the allocator model. Where it does
-    not, a warning says so once, and a budget the plan was fitted to is not
+    """The outcome, its Fit saying whether the graph as planned fits the
+    device's limit by the allocator model (device_fits). Where it does not,
+    a warning says so once, and a budget the plan was fitted to is not
     met."""
     facts = (outcome.planned or base).facts
     if not room.runs_out(facts):
-        return dataclasses.replace(outcome, fields={**outcome.fields,
-                                                    "device_limit_fits": True})
-    outcome = dataclasses.replace(outcome, fields={**outcome.fields, "device_limit_fits": False})
-    if outcome.fields.get("budget_fits"):
-        outcome = dataclasses.replace(outcome, fields={**outcome.fields, "budget_fits": False})
+        return refit(outcome, device_fits=True)
+    outcome = refit(outcome, device_fits=False)
+    if outcome.fit.budget_fits:
+        outcome = refit(outcome, budget_fits=False)
     warning = (f"{name}: predicted to run out of memory under {room.device}'s "
                f"allocator limit of {room.limit / 2**20:.0f} MiB even as planned "
                f"(planned peak {facts.budget_peak_bytes / 2**20:.1f} MiB); try a smaller "

@@ -103,7 +103,7 @@ def pinned(outcome: Outcome, ctx: Context) -> Outcome:
             f"order: {len(orders)} edge(s) hold the ops that allocate or free "
             f"{least} bytes or more to the {kind}",)),
         planned=ordered, cache_headroom=headroom, pinned=True)
-    if ctx.budget is None or not outcome.fields.get("budget_fits"):
+    if ctx.budget is None or outcome.fit is None or not outcome.fit.budget_fits:
         return held
     if ordered.peak <= budget_planning.budget_target(ctx):
         return held

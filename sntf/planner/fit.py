@@ -37,12 +37,18 @@ judged in the executor's order, the one a run reaches unchained
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from sntf.planner import budget as budget_planning
 from sntf.planner import device_limit, heuristics, policies
+from sntf.planner import reasons as R
 from sntf.planner.context import Context
 from sntf.planner.finish import gradients_first, pinned
-from sntf.planner.plan import KEEP, Outcome, acting, identity_plan, noted
+from sntf.planner.plan import (COMPOSITION_FITS, DEVICE_RUNS_OUT, EDGES_IN_MARGIN, FITS_AS_IS,
+                               HELD_ORDER_ONLY, KEEP, LIMIT_HELD, LIMIT_PLANNED, REFIT_FITS,
+                               SEARCH_FITS, UNMET, Fit, Outcome, acting, identity_plan,
+                               noted, refit)
+from sntf.planner.reasons import reason
 
 
 def plan(policy: str, base, ctx: Context, name: str = "") -> Outcome:
@@ -55,9 +61,8 @@ def plan(policy: str, base, ctx: Context, name: str = "") -> Outcome:
       name: the graph's name, for messages.
 
     Returns:
-      The Outcome; under a device limit its fields say whether the plan
-      fits it (device_limit_fits), under a budget whether it fits that
-      (budget_fits).
+      The Outcome; where a budget or a device limit binds the plan, its
+      Fit says how the plan stands against them.
     """
     composition = policies.POLICIES[policy]
     if not isinstance(composition, policies.FitBudget):
@@ -69,7 +74,7 @@ def plan(policy: str, base, ctx: Context, name: str = "") -> Outcome:
         unchanged = device_limit.unchanged_note(base, room)
         if unchanged is not None:
             return Outcome(identity_plan(policy, unchanged),
-                           fields={"device_limit_fits": True})
+                           fit=Fit(FITS_AS_IS, device_fits=True))
         outcome = _under_limit(policy, composition, base, ctx)
     else:
         outcome = _under_budget(composition, base, ctx, name)
@@ -94,6 +99,7 @@ def _under_limit(policy: str, composition, base, ctx: Context) -> Outcome:
     room = ctx.room
     first = policies.composed(policy, composition.fallback, base, ctx)
     planned = first.planned or base
+    first = dataclasses.replace(first, fit=Fit(LIMIT_PLANNED))
     if (not room.runs_out(planned.facts) or not ctx.options.pin_order
             or (ctx.search.memory_order and ctx.search.pin_order)):
         return first
@@ -102,7 +108,7 @@ def _under_limit(policy: str, composition, base, ctx: Context) -> Outcome:
     held = again.planned
     if held is None or not again.pinned or held.peak >= planned.peak:
         return first
-    return noted(again, (
+    return noted(dataclasses.replace(again, fit=Fit(LIMIT_HELD)), (
         f"device: in the executor's order the plan ({planned.peak} bytes) runs out of "
         f"memory in a model of {room.device}'s allocator under its limit of "
         f"{room.limit} bytes; held to a memory-aware order it plans {held.peak} bytes"))
@@ -112,15 +118,15 @@ def _peak(outcome: Outcome, base) -> int:
     return (outcome.planned or base).peak
 
 
-def _under_budget(fit: policies.FitBudget, base, ctx: Context, name: str) -> Outcome:
+def _under_budget(auto: policies.FitBudget, base, ctx: Context, name: str) -> Outcome:
     """Under a budget: the plan the module docstring's order takes."""
     room = ctx.room
-    first = _searched(fit, base, ctx, name)
+    first = _searched(auto, base, ctx, name)
     tried = [(first, 0)]
-    if first.fields.get("budget_fits"):
+    if first.fit.budget_fits:
         if not room.runs_out((first.planned or base).facts):
             return first
-        refit, tried = _refitted(fit, base, ctx, first, name)
+        refit, tried = _refitted(auto, base, ctx, first, name)
         if refit is not None:
             return refit
         if ctx.options.budget_behaviour == "unchanged":
@@ -128,13 +134,14 @@ def _under_budget(fit: policies.FitBudget, base, ctx: Context, name: str) -> Out
                 f"device: a model of {room.device}'s allocator runs out of memory under "
                 f"its limit of {room.limit} bytes on every plan tried: graph left "
                 "unchanged (budget_behaviour='unchanged')")),
-                fields={**first.fields, "budget_fits": False}, warnings=first.warnings)
+                fit=dataclasses.replace(first.fit, why=DEVICE_RUNS_OUT, budget_fits=False),
+                warnings=first.warnings)
     elif ctx.options.budget_behaviour == "unchanged":
         return first        # the search's unmet plan: the graph unchanged
-    return _composed(fit, base, ctx, tried, name)
+    return _composed(auto, base, ctx, tried, name)
 
 
-def _searched(fit: policies.FitBudget, base, ctx: Context, name: str) -> Outcome:
+def _searched(auto: policies.FitBudget, base, ctx: Context, name: str) -> Outcome:
     """The budget search's plan, held to its planned order.
 
     A plan fitted close to its target can leave its order edges no room
@@ -146,42 +153,41 @@ def _searched(fit: policies.FitBudget, base, ctx: Context, name: str) -> Outcome
     into the budget's margin: the margin is there for the analysis' error,
     and an order the executor does not keep errs far more than the edges'
     rise."""
-    outcome = pinned(gradients_first(_search(fit, base, ctx, name), ctx), ctx)
+    outcome = pinned(gradients_first(_search(auto, base, ctx, name), ctx), ctx)
     held = outcome.held_in_margin
     if held is None:
         return outcome
     rise = held.planned.peak - outcome.planned.peak
     roomy = ctx.searching(order_reserve=ctx.search.order_reserve + rise)
     # The edges are then judged against the budget's own target (ctx).
-    again = pinned(gradients_first(_search(fit, base, roomy, name), roomy), ctx)
-    if again.pinned and again.fields.get("budget_fits"):
+    again = pinned(gradients_first(_search(auto, base, roomy, name), roomy), ctx)
+    if again.pinned and again.fit.budget_fits:
         return again
-    return held
+    return refit(held, why=EDGES_IN_MARGIN)
 
 
-def _search(fit: policies.FitBudget, base, ctx: Context, name: str) -> Outcome:
+def _search(auto: policies.FitBudget, base, ctx: Context, name: str) -> Outcome:
     """The budget search's outcome (budget.fit_budget), with the reasons
     each tensor was kept."""
-    fitted = budget_planning.fit_budget(base, ctx, fit.sources, name)
+    fitted = budget_planning.fit_budget(base, ctx, auto.sources, name)
     choice = fitted.choice
-    fields = {"budget_fits": choice.fits, "predicted_seconds_added": choice.seconds}
-    if not choice.fits:
-        fields["achievable_peak_bytes"] = choice.peak
+    fit = Fit(SEARCH_FITS if choice.fits else UNMET, budget_fits=choice.fits,
+              target=ctx.room.target,
+              achievable=None if choice.fits else choice.peak, seconds=choice.seconds)
     kept: dict = {}
+    unused = reason(R.MET_WITHOUT if choice.fits else R.NOT_APPLIED, "budget")
     for candidate in fitted.candidates:
         for d in candidate.decisions:
-            why = (d.reason if d.action == KEEP else
-                   "budget: " + ("met without it" if choice.fits else "not applied"))
-            kept.setdefault(d.tensor, []).append(why)
+            kept.setdefault(d.tensor, []).extend(d.why if d.action == KEEP else (unused,))
     headroom = None
     if fitted.planned is not None and fitted.plan.swaps:
         headroom = ctx.room.headroom(fitted.planned.facts)
     warnings = (fitted.warning,) if fitted.warning else ()
     return Outcome(policies.with_keeps(fitted.plan, base, kept, "policy 'auto'"),
-                   fitted.planned, headroom, fields, warnings)
+                   fitted.planned, headroom, fit, warnings)
 
 
-def _refitted(fit: policies.FitBudget, base, ctx: Context, first: Outcome,
+def _refitted(auto: policies.FitBudget, base, ctx: Context, first: Outcome,
               name: str) -> tuple:
     """Where the allocator model runs out of memory on a plan that fits the
     budget's target: the first search plan under a lower target that it
@@ -203,15 +209,14 @@ def _refitted(fit: policies.FitBudget, base, ctx: Context, first: Outcome,
     tried = [(first, 0)]
     for k in range(1, heuristics.DEVICE_REFITS + 1):
         lower = ctx.searching(region_reserve=ctx.search.region_reserve + k * step)
-        again = _searched(fit, base, lower, name)
+        again = _searched(auto, base, lower, name)
         planned = again.planned or base
         if planned.peak <= target and not room.runs_out(planned.facts):
             # It fits the budget's own target: not the lowered one's unmet
             # warning, and no achievable peak to report.
-            fields = {key: value for key, value in again.fields.items()
-                      if key != "achievable_peak_bytes"}
-            return noted(dataclasses.replace(
-                again, fields={**fields, "budget_fits": True}, warnings=first.warnings), (
+            fit = dataclasses.replace(again.fit, why=REFIT_FITS, budget_fits=True,
+                                      target=target, achievable=None)
+            return noted(dataclasses.replace(again, fit=fit, warnings=first.warnings), (
                 f"device: the plan for the budget's target ran out of memory in a model "
                 f"of {room.device}'s allocator under its limit of {room.limit} bytes "
                 f"(regions fragment), so it is fitted {k * step} bytes lower")), tried
@@ -221,7 +226,35 @@ def _refitted(fit: policies.FitBudget, base, ctx: Context, first: Outcome,
     return None, tried
 
 
-def _composed(fit: policies.FitBudget, base, ctx: Context, tried: list,
+@dataclasses.dataclass(frozen=True)
+class _Tried:
+    """A plan the fit loop tried: its outcome, how it was made (None for a
+    search plan), the bytes it was fitted lower, and whether its order is
+    the executor's (only such a plan can be said to fit a budget)."""
+
+    outcome: Outcome
+    how: Optional[str] = None
+    lowered: int = 0
+    trusted: bool = True
+
+
+def _compositions(auto: policies.FitBudget, base, ctx: Context) -> list:
+    """The FitBudget's compositions, each in the executor's order and, where
+    the user allows order edges, held to a memory-aware order: _Tried."""
+    orders = [(ctx, "in the executor's order", True)]
+    if ctx.options.pin_order:
+        orders.append((ctx.searching(memory_order=True, pin_order=True),
+                       "held to a memory-aware order", False))
+    made = []
+    for composition in auto.compositions:
+        for tried_ctx, label, trusted in orders:
+            outcome = policies.finished("auto", composition, base, tried_ctx, {})
+            if outcome is not None and outcome.planned is not None:
+                made.append(_Tried(outcome, f"{composition.label} {label}", 0, trusted))
+    return made
+
+
+def _composed(auto: policies.FitBudget, base, ctx: Context, tried: list,
               name: str) -> Outcome:
     """Where no search plan fits: the composition of least predicted time
     that fits, in the executor's order; else the lowest plan tried (the
@@ -233,63 +266,55 @@ def _composed(fit: policies.FitBudget, base, ctx: Context, tried: list,
     above one a policy finds.
 
     Args:
-      fit, base, ctx, name: as _under_budget's.
+      auto, base, ctx, name: as _under_budget's.
       tried: [(outcome, bytes it was fitted lower)] of the search plans
         tried, the first (at the room's own target) first.
     """
     room, target = ctx.room, budget_planning.budget_target(ctx)
-    orders = [(ctx, "in the executor's order", True)]
-    if ctx.options.pin_order:
-        orders.append((ctx.searching(memory_order=True, pin_order=True),
-                       "held to a memory-aware order", False))
-    first = tried[0][0]
-    # (outcome, how: None for a search plan, bytes it was fitted lower,
-    # whether its order is the executor's)
-    lowest = min(((o, None, lowered, True) for o, lowered in tried),
-                 key=lambda t: _peak(t[0], base))
-    executor_peaks = [_peak(o, base) for o, _ in tried]
-    fitting = []
-    for composition in fit.compositions:
-        for tried_ctx, label, trusted in orders:
-            outcome = policies.finished("auto", composition, base, tried_ctx, {})
-            if outcome is None or outcome.planned is None:
-                continue
-            how = f"{composition.label} {label}"
-            if trusted:
-                executor_peaks.append(_peak(outcome, base))
-            if trusted and outcome.planned.peak <= target \
-                    and not room.runs_out(outcome.planned.facts):
-                fitting.append((_seconds(outcome), len(fitting), outcome, how))
-            if _peak(outcome, base) < _peak(lowest[0], base):
-                lowest = (outcome, how, 0, trusted)
+    searched = [_Tried(o, None, lowered) for o, lowered in tried]
+    made = _compositions(auto, base, ctx)
+    fitting = [t for t in made if t.trusted and t.outcome.planned.peak <= target
+               and not room.runs_out(t.outcome.planned.facts)]
+    first = searched[0].outcome
     if fitting:
-        _, _, outcome, how = min(fitting, key=lambda f: f[:2])
-        fields = {key: value for key, value in first.fields.items()
-                  if key != "achievable_peak_bytes"}
-        fields.update(budget_fits=True, predicted_seconds_added=_seconds(outcome))
-        return noted(dataclasses.replace(outcome, fields=fields), (
+        chosen = min(fitting, key=lambda t: _seconds(t.outcome))   # the first on a tie
+        fit = Fit(COMPOSITION_FITS, budget_fits=True, target=target,
+                  seconds=_seconds(chosen.outcome))
+        return noted(dataclasses.replace(chosen.outcome, fit=fit), (
             f"auto: the budget search fits no plan under the target (its least "
-            f"{_peak(first, base)} bytes); {how} fits it ({_peak(outcome, base)} bytes) "
-            "at the least predicted time of the compositions that do, and is applied"))
-    best, how, lowered, trusted = lowest
-    if best is first:
+            f"{_peak(first, base)} bytes); {chosen.how} fits it "
+            f"({_peak(chosen.outcome, base)} bytes) at the least predicted time of the "
+            "compositions that do, and is applied"))
+    lowest = min(searched + made, key=lambda t: _peak(t.outcome, base))
+    if lowest.outcome is first:
         return first
-    peak = _peak(best, base)
-    taken = how or f"fitted {lowered} bytes lower"
+    least = min(_peak(t.outcome, base) for t in searched + made if t.trusted)
+    return _lowest(lowest, first, least, base, ctx, name)
+
+
+def _lowest(lowest: _Tried, first: Outcome, least: int, base, ctx: Context,
+            name: str) -> Outcome:
+    """The lowest plan tried, where it is not the search's first; least:
+    the least planned peak in the executor's order."""
+    room, target = ctx.room, budget_planning.budget_target(ctx)
+    best, peak = lowest.outcome, _peak(lowest.outcome, base)
+    taken = lowest.how or f"fitted {lowest.lowered} bytes lower"
     if peak <= target and room.limit is not None:
         # The allocator model runs out of memory on every plan in the
         # executor's order (checked says so of this one): the lowest leaves
         # the step the most room.
-        return noted(dataclasses.replace(best, fields={**best.fields, "budget_fits": trusted}), (
+        fit = Fit(DEVICE_RUNS_OUT, budget_fits=lowest.trusted, target=target,
+                  seconds=_seconds(best))
+        return noted(dataclasses.replace(best, fit=fit), (
             f"device: a model of {room.device}'s allocator runs out of memory under its "
             f"limit of {room.limit} bytes on every plan tried, so the lowest is taken "
             f"({taken})"))
-    fields = {**first.fields, "budget_fits": False, "achievable_peak_bytes": peak,
-              "predicted_seconds_added": _seconds(best)}
+    fit = Fit(UNMET, budget_fits=False, target=target, achievable=peak,
+              seconds=_seconds(best))
     if peak <= target:
         # Below the target only in an order its edges hold: applied, but a
         # budget's fit is judged in the executor's order.
-        least = min(executor_peaks)
+        fit = dataclasses.replace(fit, why=HELD_ORDER_ONLY)
         warning = budget_planning.unmet_warning(base, ctx, target, least, name, peak)
         note = (f"auto: in the executor's order no plan fits the target; {taken} "
                 f"plans {peak} bytes and is applied, not said to fit; "
@@ -299,7 +324,7 @@ def _composed(fit: policies.FitBudget, base, ctx: Context, tried: list,
         note = (f"auto: the budget search's least plan ({_peak(first, base)} bytes) is "
                 f"above {taken} ({peak} bytes), which is applied; "
                 f"{warning[len('sntf: '):]}")
-    return dataclasses.replace(noted(best, note), fields=fields, warnings=(warning,))
+    return dataclasses.replace(noted(best, note), fit=fit, warnings=(warning,))
 
 
 def _seconds(outcome: Outcome) -> float:

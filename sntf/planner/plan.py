@@ -12,23 +12,67 @@ import dataclasses
 import json
 from typing import Optional
 
+from sntf.planner import reasons
+
 KEEP, SWAP, RECOMPUTE = "keep", "swap", "recompute"
 ACTIONS = (KEEP, SWAP, RECOMPUTE)
+# A decision's kind: its action, but a recomputation of a backward tensor
+# for its later readers (sntf.planner.rebuild) is a rebuild.
+REBUILD = "rebuild"
+KINDS = ACTIONS + (REBUILD,)
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """What to do with one tensor ("node:port"), and why."""
+    """What to do with one tensor ("node:port"), and why.
+
+    Attributes:
+      tensor: the tensor.
+      action: KEEP, SWAP or RECOMPUTE.
+      why: the reasons (sntf.planner.reasons.Reason), each a code with its
+        parameters; a kept tensor has one per stage that kept it.
+      bytes_saved: the bytes the action frees, where it acts.
+      seconds_added: the predicted extra time per step.
+    """
 
     tensor: str
     action: str
-    reason: str
+    why: tuple = ()
     bytes_saved: Optional[int] = None
     seconds_added: Optional[float] = None
 
     def __post_init__(self):
         if self.action not in ACTIONS:
             raise ValueError(f"unknown action {self.action!r}; actions: {ACTIONS}")
+
+    @property
+    def kind(self) -> str:
+        """One of KINDS: the action, or REBUILD."""
+        if self.action == RECOMPUTE and any(r.code == reasons.REBUILT for r in self.why):
+            return REBUILD
+        return self.action
+
+    @property
+    def codes(self) -> tuple[str, ...]:
+        """The codes of its reasons, in order."""
+        return tuple(r.code for r in self.why)
+
+    @property
+    def reason(self) -> str:
+        """Its reasons in prose, as a report gives them."""
+        return "; ".join(r.text for r in self.why)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Decision":
+        """The decision a to_dict made (its prose and kind are derived)."""
+        return cls(data["tensor"], data["action"],
+                   tuple(reasons.Reason.from_dict(r) for r in data.get("why", ())),
+                   data.get("bytes_saved"), data.get("seconds_added"))
+
+    def to_dict(self) -> dict:
+        return {"tensor": self.tensor, "action": self.action, "kind": self.kind,
+                "reason": self.reason, "why": [r.to_dict() for r in self.why],
+                "bytes_saved": self.bytes_saved, "seconds_added": self.seconds_added}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +102,11 @@ class Plan:
         return any(d.action != KEEP for d in self.decisions)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The plan as plain data, each decision with its reasons in prose
+        and as codes."""
+        plain = dataclasses.asdict(self)
+        plain["decisions"] = [d.to_dict() for d in self.decisions]
+        return plain
 
     def to_json(self, indent: int = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -77,9 +125,10 @@ def subset(plan: Plan, tensors: frozenset) -> Plan:
         swaps=tuple(s for s in plan.swaps if s.tensor in tensors))
 
 
-def keep(tensor: str, reason: str) -> Decision:
-    """A KEEP decision: the tensor stays where TensorFlow puts it."""
-    return Decision(tensor=tensor, action=KEEP, reason=reason, bytes_saved=0,
+def keep(tensor: str, *why) -> Decision:
+    """A KEEP decision: the tensor stays where TensorFlow puts it, for the
+    reasons (sntf.planner.reasons.Reason) given."""
+    return Decision(tensor=tensor, action=KEEP, why=tuple(why), bytes_saved=0,
                     seconds_added=0.0)
 
 
@@ -137,6 +186,55 @@ class Order:
     after: str
 
 
+# How a plan stands against its room (Fit.why).
+SEARCH_FITS = "search_fits"              # the budget search's plan fits
+EDGES_IN_MARGIN = "edges_in_margin"      # it fits, its order edges in the margin
+REFIT_FITS = "refit_fits"                # fitted lower, the allocator model fits it
+COMPOSITION_FITS = "composition_fits"    # a policy's composition fits
+UNMET = "unmet"                          # no plan fits: the lowest is applied
+HELD_ORDER_ONLY = "held_order_only"      # the lowest fits only in a held order
+DEVICE_RUNS_OUT = "device_runs_out"      # the allocator model runs out on every plan
+FITS_AS_IS = "fits_as_is"                # no budget: the graph fits the limit unchanged
+LIMIT_PLANNED = "limit_planned"          # no budget: planned in the executor's order
+LIMIT_HELD = "limit_held"                # no budget: held to a memory-aware order
+FIT_CODES = (SEARCH_FITS, EDGES_IN_MARGIN, REFIT_FITS, COMPOSITION_FITS, UNMET,
+             HELD_ORDER_ONLY, DEVICE_RUNS_OUT, FITS_AS_IS, LIMIT_PLANNED, LIMIT_HELD)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """How a plan stands against its room, where a budget or a device limit
+    binds it (policy "auto").
+
+    Attributes:
+      why: one of FIT_CODES.
+      budget_fits: whether the plan fits the budget (None without one).
+      target: the planned peak a budget's plan must not exceed.
+      achievable: the least planned peak found, where the budget is not met.
+      seconds: the plan's predicted extra seconds per step.
+      device_fits: whether the allocator model fits the plan under the
+        device's limit (None without one).
+    """
+
+    why: str
+    budget_fits: Optional[bool] = None
+    target: Optional[int] = None
+    achievable: Optional[int] = None
+    seconds: Optional[float] = None
+    device_fits: Optional[bool] = None
+
+    def __post_init__(self):
+        if self.why not in FIT_CODES:
+            raise ValueError(f"unknown fit {self.why!r}; fits: {FIT_CODES}")
+
+    def fields(self) -> dict:
+        """The report's fields for it (those known)."""
+        named = {"fit": self.why, "budget_fits": self.budget_fits,
+                 "budget_target_bytes": self.target, "achievable_peak_bytes": self.achievable,
+                 "predicted_seconds_added": self.seconds, "device_limit_fits": self.device_fits}
+        return {key: value for key, value in named.items() if value is not None}
+
+
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     """A policy's result on one analyzed graph.
@@ -146,7 +244,8 @@ class Outcome:
       planned: the rewritten graph analyzed, or None when nothing changed.
       cache_headroom: with conditional swaps, the bytes of swapped tensors
         the device may keep (the rewrite writes it onto the cache ops).
-      fields: report fields the policy fills (budget_fits, ...).
+      fit: how the plan stands against its room, where a budget or a
+        device limit binds it; else None.
       warnings: messages to log once.
       pinned: whether order edges hold the planned order, the executor's
         or a memory-aware one (sntf.planner.finish).
@@ -158,10 +257,18 @@ class Outcome:
     plan: Plan
     planned: Optional[object] = None
     cache_headroom: Optional[int] = None
-    fields: dict = dataclasses.field(default_factory=dict)
+    fit: Optional[Fit] = None
     warnings: tuple = ()
     pinned: bool = False
     held_in_margin: Optional["Outcome"] = None
+
+
+def refit(outcome: Outcome, **changes) -> Outcome:
+    """The outcome with its Fit's fields changed (a Fit made where it has
+    none needs its why)."""
+    fit = (dataclasses.replace(outcome.fit, **changes) if outcome.fit is not None
+           else Fit(**changes))
+    return dataclasses.replace(outcome, fit=fit)
 
 
 def noted(outcome: Outcome, note: str) -> Outcome:

@@ -53,7 +53,9 @@ from sntf.planner import heuristics, modes
 from sntf.planner.backward import backward_read_tensors, tensor_name
 from sntf.planner.context import Context
 from sntf.planner.finish import gradient_ordered, gradients_first, pinned
+from sntf.planner import reasons as R
 from sntf.planner.plan import KEEP, Outcome, Plan, acting, identity_plan, keep, noted
+from sntf.planner.reasons import reason
 
 OFF_NOTE = "policy 'off': graph left as TensorFlow built it"
 
@@ -69,13 +71,13 @@ class _Run:
     recomputes: tuple = ()
     swaps: tuple = ()
     orders: tuple = ()       # order edges a stage needed to lower the peak
-    kept: dict = dataclasses.field(default_factory=dict)   # tensor -> [reasons]
+    kept: dict = dataclasses.field(default_factory=dict)   # tensor -> [Reason]
     void: bool = False       # a deferred stage found nothing to do
 
-    def keep_reasons(self, plan: Plan, prefix: str = "") -> None:
+    def keep_reasons(self, plan: Plan) -> None:
         for d in plan.decisions:
             if d.action == KEEP:
-                self.kept.setdefault(d.tensor, []).append(prefix + d.reason)
+                self.kept.setdefault(d.tensor, []).extend(d.why)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,10 +155,9 @@ class Then:
                 planned = _ordered_to_fall(run, stage, planned, ctx)
             if planned.peak >= run.current.peak and not stage.deferred:
                 count = len(plan.recomputes) + len(plan.swaps)
-                why = (f"{stage.kind}: {count} tensor(s) planned but not applied: the "
-                       f"predicted peak would not fall ({run.current.peak} -> "
-                       f"{planned.peak} bytes)")
-                run.notes.append(why)
+                why = reason(R.NOT_LOWERED, stage.kind, count=count,
+                             before=run.current.peak, after=planned.peak)
+                run.notes.append(why.text)
                 for d in acting(plan.decisions):
                     run.kept.setdefault(d.tensor, []).append(why)
                 continue
@@ -389,13 +390,12 @@ def _standing(outcome: Outcome, base, ctx: Context, policy: str) -> Outcome:
     floor = int(base.peak * (1.0 - ctx.options.min_gain))
     if planned.peak <= floor:
         return outcome
-    note = (f"policy {policy!r}: not applied: the planned peak would not fall by "
-            f"{ctx.options.min_gain * 100:g}% ({base.peak} -> {planned.peak} bytes), within "
-            f"the analysis' error (option min_gain)")
-    kept = {d.tensor: [note] for d in acting(outcome.plan.decisions)}
-    unchanged = Plan(policy=outcome.plan.policy, notes=outcome.plan.notes + (note,))
+    why = reason(R.BELOW_MIN_GAIN, policy=policy, percent=ctx.options.min_gain * 100,
+                 before=base.peak, after=planned.peak)
+    kept = {d.tensor: [why] for d in acting(outcome.plan.decisions)}
+    unchanged = Plan(policy=outcome.plan.policy, notes=outcome.plan.notes + (why.text,))
     return Outcome(with_keeps(unchanged, base, kept, f"policy {policy!r}"),
-                   fields=outcome.fields, warnings=outcome.warnings)
+                   fit=outcome.fit, warnings=outcome.warnings)
 
 
 def _composed(policy: str, composition, base, ctx: Context, proposals: dict,
@@ -424,6 +424,6 @@ def with_keeps(result: Plan, base, kept: dict, default: str) -> Plan:
     for t in backward_read_tensors(base.index, base.facts):
         name = tensor_name(base.index, t)
         if name not in acted:
-            reasons = list(dict.fromkeys(kept.get(name, ()))) or [f"kept: {default}"]
-            keeps.append(keep(name, "; ".join(reasons)))
+            why = list(dict.fromkeys(kept.get(name, ()))) or [reason(R.UNTOUCHED, by=default)]
+            keeps.append(keep(name, *why))
     return dataclasses.replace(result, decisions=result.decisions + tuple(keeps))

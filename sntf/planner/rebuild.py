@@ -32,11 +32,10 @@ from sntf.graph.phases import BACKWARD
 from sntf.graph.regions import step_regions
 from sntf.planner import heuristics
 from sntf.planner.backward import control_flow_note, reader_groups, tensor_name
-from sntf.planner.plan import RECOMPUTE, Decision, Plan, Recompute, identity_plan
+from sntf.planner import reasons as R
+from sntf.planner.plan import REBUILD, RECOMPUTE, Decision, Plan, Recompute, identity_plan
+from sntf.planner.reasons import Reason, reason
 from sntf.planner.recompute import chain_of, not_recomputable
-
-# What a rebuilt tensor's decision reason starts with (is_rebuild).
-REASON = "cheap backward"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +46,7 @@ class _Setting:
     facts: object
     mode: str
     step_of: dict            # node -> schedule step (facts.schedule, step_seconds' index)
-    why_not: Callable[[int], Optional[str]]   # why a backward node may not be re-run
+    why_not: Callable[[int], Optional[Reason]]   # why a backward node may not be re-run
 
 
 def plan_rebuilds(g, facts, mode: str, protected: frozenset = frozenset()) -> Plan:
@@ -70,7 +69,7 @@ def plan_rebuilds(g, facts, mode: str, protected: frozenset = frozenset()) -> Pl
         return identity_plan("recompute", "control flow present (a loop): not rebuilt")
     phases, region = facts.node_phases, regions.region
 
-    def why_not(i: int) -> Optional[str]:
+    def why_not(i: int) -> Optional[Reason]:
         return not_recomputable(g, phases, protected, region, (optable.CHEAP,), i,
                                 BACKWARD)
 
@@ -127,16 +126,14 @@ def _rebuild_one(s: _Setting, t: tuple, buffer) -> Optional[tuple]:
     seconds = sum(facts.step_seconds[s.step_of[i]] for i in chain) * len(groups)
     decision = Decision(
         tensor=recipe.tensor, action=RECOMPUTE,
-        reason=(f"{REASON} {g.ops[producer]} output read by {len(readers)} "
-                f"ops; {len(chain)} op(s) re-run for the {len(readers) - 1} after "
-                f"the first{' per reader' if len(groups) > 1 else ''}"),
+        why=(reason(R.REBUILT, op=g.ops[producer], readers=len(readers), ops=len(chain),
+                    per_reader=len(groups) > 1),),
         bytes_saved=facts.buffer_bytes.get(buffer, 0), seconds_added=seconds)
     return recipe, decision
 
 
 def is_rebuild(decision) -> bool:
     """Whether a plan decision (a Decision or its dict) rebuilds a backward
-    tensor rather than recomputing a forward one."""
-    action, reason = ((decision.get("action"), decision.get("reason", ""))
-                      if isinstance(decision, dict) else (decision.action, decision.reason))
-    return action == RECOMPUTE and reason.startswith(REASON)
+    tensor rather than recomputing a forward one: its kind."""
+    kind = decision.get("kind") if isinstance(decision, dict) else decision.kind
+    return kind == REBUILD

@@ -15,8 +15,10 @@ from sntf.planner import heuristics
 from sntf.planner.backward import (backward_read_by_buffer, backward_read_tensors,
                                    control_flow_note, read_under_control_flow,
                                    reader_groups, tensor_name)
+from sntf.planner import reasons as R
 from sntf.planner.plan import (RECOMPUTE, Decision, Plan, Recompute,
                                identity_plan, keep)
+from sntf.planner.reasons import Reason, reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +31,7 @@ class _Setting:
     memory_tensors: frozenset
     step_of: dict            # node -> position in the order readers are sorted by
     cost_step: dict          # node -> schedule step (step_seconds' index)
-    why_not: Callable[[int], Optional[str]]   # why a node may not be re-run
+    why_not: Callable[[int], Optional[Reason]]   # why a node may not be re-run
     kept: set                # nodes whose outputs chains start from
     max_chain: int
     segments: int            # segment_checkpoints
@@ -84,14 +86,14 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
     candidates, kept = [], {}
     for t in backward_read_tensors(g, facts):
         answer = _recompute_one(setting, t, region)
-        if isinstance(answer, str):
+        if isinstance(answer, Reason):
             kept[tensor_name(g, t)] = answer
         else:
             candidates.append(answer)
     recipes, decisions, dropped = _whole_buffers(g, facts, candidates, setting.segments)
     kept.update(dropped)
     notes = (f"recompute ({mode}): {len(recipes)} tensor(s)", *control_flow_note(regions))
-    keeps = tuple(keep(t, f"recompute: {why}") for t, why in kept.items())
+    keeps = tuple(keep(t, R.staged(why, "recompute")) for t, why in kept.items())
     return Plan(policy="recompute", decisions=tuple(decisions) + keeps, notes=notes,
                 recomputes=tuple(recipes))
 
@@ -103,7 +105,7 @@ def _setting(g, facts, mode, protected, region, memory_tensors, order,
     phases = facts.node_phases
     classes = (optable.CHEAP, optable.CHECKPOINT) if segments else (optable.CHEAP,)
 
-    def why_not(i: int) -> Optional[str]:
+    def why_not(i: int) -> Optional[Reason]:
         return not_recomputable(g, phases, protected, region, classes, i)
 
     def recomputable(i: int) -> bool:
@@ -126,7 +128,7 @@ def _setting(g, facts, mode, protected, region, memory_tensors, order,
 
 
 def not_recomputable(g, phases, protected, region, classes, i: int,
-                     phase: str = FORWARD) -> Optional[str]:
+                     phase: str = FORWARD) -> Optional[Reason]:
     """Why node i may not be re-run, or None when it may.
 
     Args:
@@ -143,22 +145,22 @@ def not_recomputable(g, phases, protected, region, classes, i: int,
     """
     op = g.ops[i]
     if phases[i] != phase:
-        return f"not a {phase} op"
+        return reason(R.WRONG_PHASE, phase=phase)
     if i in protected:
-        return "a fetched or preserved node"
+        return reason(R.PROTECTED)
     if i in region:
-        return "under control flow"
+        return reason(R.CONTROL_FLOW)
     if op in optable.NEVER_RECOMPUTE_OPS:
-        return f"{op} is never re-run"
+        return reason(R.NEVER_RERUN, op=op)
     if optable.op_class(op) not in classes:
-        return (f"{op} is a checkpoint" if optable.op_class(op) == optable.CHECKPOINT
-                else f"{op} is not known to be cheap")
+        return reason(R.CHECKPOINT if optable.op_class(op) == optable.CHECKPOINT
+                      else R.NOT_CHEAP, op=op)
     if optable.is_update_op(op):
-        return f"{op} writes a variable"
+        return reason(R.WRITES_VARIABLE, op=op)
     return None
 
 
-def _recompute_one(s: _Setting, t: tuple, region) -> Union[str, tuple]:
+def _recompute_one(s: _Setting, t: tuple, region) -> Union[Reason, tuple]:
     """The candidate (buffer, tensor, Recompute, Decision) that rebuilds
     forward tensor t, or the reason t is kept."""
     g, facts = s.g, s.facts
@@ -167,9 +169,9 @@ def _recompute_one(s: _Setting, t: tuple, region) -> Union[str, tuple]:
     if why is not None:
         return why
     if g.ops[producer] in optable.ALIAS_OPS:
-        return f"{g.ops[producer]} is a view of its input"
+        return reason(R.VIEW, op=g.ops[producer])
     if s.segments and producer in s.kept:
-        return "a segment input, kept"
+        return reason(R.SEGMENT_INPUT)
     buffer = facts.buffer_of(t)
     # With segments, readers of the shape alone keep the original (as in
     # plan_swap): they run as soon as it exists, and a clone's release point
@@ -181,31 +183,28 @@ def _recompute_one(s: _Setting, t: tuple, region) -> Union[str, tuple]:
                if p == port and facts.node_phases[c] == BACKWARD
                and not (s.segments and g.ops[c] in optable.METADATA_OPS)]
     if not readers:
-        return "read by the backward pass for its shape only"
+        return reason(R.SHAPE_ONLY)
     if read_under_control_flow(g, t, region):
-        return "read under control flow"
+        return reason(R.READ_UNDER_CONTROL_FLOW)
     chain = chain_of(g, producer, s.recomputable, s.kept, s.max_chain)
     if chain is None:
-        return f"its recompute chain is longer than {s.max_chain} ops"
+        return reason(R.CHAIN_TOO_LONG, limit=s.max_chain)
     held = _held_strict_member(g, chain, s.strict_pairs)
     if held is not None:
-        return (f"its recompute chain would hold back {g.names[held]}, which oneDNN "
-                "merges into one kernel only without control inputs")
+        return reason(R.HOLDS_FUSED, node=g.names[held])
     chain = sorted(chain, key=s.step_of.get)
     name = tensor_name(g, t)
     groups = reader_groups(g, readers, "memory" if name in s.memory_tensors else s.mode,
                            s.step_of, facts)
     if not groups:
-        return "no backward op can release its recomputation"
+        return reason(R.NO_RELEASE)
     recipe = Recompute(tensor=name, chain=tuple(g.names[i] for i in chain),
                        groups=tuple(groups))
     seconds = sum(facts.step_seconds[s.cost_step[i]] for i in chain) * len(groups)
     decision = Decision(
         tensor=name, action=RECOMPUTE,
-        reason=(f"{'' if s.segments else 'cheap '}{g.ops[producer]} "
-                f"output read by {len(readers)} "
-                f"backward op(s); {len(chain)} op(s) re-run "
-                f"{'per reader' if len(groups) > 1 else 'once'}"),
+        why=(reason(R.RECOMPUTED, cheap=not s.segments, op=g.ops[producer],
+                    readers=len(readers), ops=len(chain), per_reader=len(groups) > 1),),
         bytes_saved=facts.buffer_bytes.get(buffer, 0), seconds_added=seconds)
     return buffer, t, recipe, decision
 
@@ -249,18 +248,16 @@ def _whole_buffers(g, facts, candidates, segments: bool):
     kept, dropped = [], {}
     for c in candidates:
         if backward_read.get(c[0], set()) - covered[c[0]]:
-            dropped[c[2].tensor] = "its buffer holds another tensor that is kept"
+            dropped[c[2].tensor] = reason(R.BUFFER_KEPT)
         elif c[0] in _chain_input_buffers(g, facts, c[2]):
-            dropped[c[2].tensor] = "its recomputation would read its own buffer"
+            dropped[c[2].tensor] = reason(R.READS_OWN_BUFFER)
         else:
             kept.append(c)
     recipes, decisions, counted = [], [], set()
     for buffer, t, recipe, decision in kept:
         if buffer in counted:
             decision = dataclasses.replace(
-                decision, bytes_saved=0,
-                reason=decision.reason + "; shares its buffer with another "
-                "recomputed tensor")
+                decision, bytes_saved=0, why=decision.why + (reason(R.SHARES_BUFFER),))
         counted.add(buffer)
         recipes.append(recipe)
         decisions.append(decision)

@@ -18,7 +18,9 @@ from sntf.planner import backward
 from sntf.planner.backward import (backward_read_by_buffer, backward_read_tensors,
                                    control_flow_note, read_under_control_flow,
                                    tensor_name)
+from sntf.planner import reasons as R
 from sntf.planner.plan import SWAP, Decision, Plan, Swap, SwapGroup, identity_plan, keep
+from sntf.planner.reasons import Reason, reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,51 +182,51 @@ def _plan_tensors(s: _Setting, follow_early: bool) -> tuple:
     decisions, recipes, keeps = [], [], []
     for t in backward_read_tensors(s.g, s.facts):
         answer = _swap_one(s, t, follow_early)
-        if isinstance(answer, str):
-            keeps.append(keep(tensor_name(s.g, t), f"swap: {answer}"))
+        if isinstance(answer, Reason):
+            keeps.append(keep(tensor_name(s.g, t), R.staged(answer, "swap")))
         else:
             recipes.append(answer[0])
             decisions.append(answer[1])
     return decisions, recipes, keeps
 
 
-def _not_swappable(s: _Setting, producer: int) -> Optional[str]:
+def _not_swappable(s: _Setting, producer: int) -> Optional[Reason]:
     """Why no output of `producer` may be swapped, or None."""
     op = s.g.ops[producer]
     if s.facts.node_phases[producer] != FORWARD:
-        return "not a forward op"
+        return reason(R.WRONG_PHASE, phase="forward")
     if producer in s.protected:
-        return "a fetched or preserved node"
+        return reason(R.PROTECTED)
     if producer in s.region:
-        return "under control flow"
+        return reason(R.CONTROL_FLOW)
     if op in optable.ALIAS_OPS and op not in optable.VIEW_OPS:
-        return f"{op} is a view of its input"
+        return reason(R.VIEW, op=op)
     if op in optable.FREE_OPS or op in optable.PERSISTENT_OPS:
-        return f"{op} holds no step memory"
+        return reason(R.NO_STEP_MEMORY, op=op)
     if optable.is_update_op(op):
-        return f"{op} writes a variable"
+        return reason(R.WRITES_VARIABLE, op=op)
     return None
 
 
-def _tensor_not_swappable(s: _Setting, t: tuple, buffer, size: int) -> Optional[str]:
+def _tensor_not_swappable(s: _Setting, t: tuple, buffer, size: int) -> Optional[Reason]:
     """Why tensor t may not be swapped, or None."""
     if size < max(s.min_bytes, 1):
-        return f"{size} bytes, below swap_min_bytes ({s.min_bytes})"
+        return reason(R.BELOW_THRESHOLD, bytes=size, min_bytes=s.min_bytes)
     if s.dtypes.get(t) not in optable.SWAP_DTYPES:
-        return f"DataType {s.dtypes.get(t)} is not a flat buffer"
+        return reason(R.NOT_FLAT, dtype=s.dtypes.get(t))
     # An op that ran in place leaves t in its input's buffer; that buffer is
     # freed by swapping t when t is the only tensor in it the backward pass
     # reads.
     if s.backward_read.get(buffer, set()) != {t}:
-        return "its buffer holds other tensors the backward pass reads"
+        return reason(R.BUFFER_SHARED)
     if read_under_control_flow(s.g, t, s.region):
-        return "read under control flow"
+        return reason(R.READ_UNDER_CONTROL_FLOW)
     if s.workspace_pairs and _workspace_paired(s.g, t):
-        return "paired with its gradient by oneDNN"
+        return reason(R.ONEDNN_PAIRED)
     return None
 
 
-def _swap_one(s: _Setting, t: tuple, follow_early: bool) -> Union[str, tuple]:
+def _swap_one(s: _Setting, t: tuple, follow_early: bool) -> Union[Reason, tuple]:
     """(Swap, Decision) for forward tensor t, or the reason t is kept."""
     g, facts = s.g, s.facts
     producer, port = t
@@ -244,7 +246,7 @@ def _swap_one(s: _Setting, t: tuple, follow_early: bool) -> Union[str, tuple]:
     groups = _swap_groups(g, facts, readers, transfer, s.step_of, s.elapsed,
                           follow_early)
     if not groups:
-        return "no backward op can start its swap-in"
+        return reason(R.NO_SWAP_IN)
     name = tensor_name(g, t)
     forward = sorted({g.names[c] for c, _, p in g.consumers[producer]
                       if p == port and (facts.node_phases[c] != BACKWARD
@@ -253,9 +255,8 @@ def _swap_one(s: _Setting, t: tuple, follow_early: bool) -> Union[str, tuple]:
                   shape=s.shapes.get(t), forward_readers=tuple(forward))
     decision = Decision(
         tensor=name, action=SWAP,
-        reason=(f"{g.ops[producer]} output of {size} bytes read by "
-                f"{len(readers)} backward op(s); {len(groups)} swap-in(s), "
-                f"prefetched {transfer * 1e3:.3f} ms of transfer ahead"),
+        why=(reason(R.SWAPPED, op=g.ops[producer], bytes=size, readers=len(readers),
+                    swap_ins=len(groups), transfer_seconds=transfer),),
         bytes_saved=size,
         seconds_added=_exposed_transfer(groups, transfer, g, s.step_of, s.elapsed,
                                         g.devices[producer]))

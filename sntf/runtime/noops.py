@@ -301,7 +301,7 @@ def check_report(report: dict) -> None:
       report: the pass's report of one graph.
     """
     if (report.get("training") and report.get("action") == "skipped"
-            and "XLA" in (report.get("reason") or "")
+            and report.get("skip") in ("xla_compiled", "xla_auto_jit")
             and not any(cause in _warned for cause in EXPLAINS_XLA_GRAPH)):
         warn_once("xla_graph", graph=report.get("graph"))
 

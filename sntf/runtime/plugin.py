@@ -21,7 +21,6 @@ import gc
 import importlib
 import logging
 import os
-import re
 import site
 import sys
 import threading
@@ -370,31 +369,25 @@ def short_reason(report: dict) -> str:
     reason = report.get("reason") or ""
     if action == report_schema.ERROR:
         return _clip("pass failed, graph unchanged: " + reason)
-    if report_schema.DEFERRED in reason:
+    if report.get("deferred"):
         return "deferred: Grappler never handed the graph over a second time"
     if report.get("budget_bytes") is not None and report.get("budget_fits") is not None:
         # The plan must fit a target below the budget: less the margin, what
         # the device holds outside the graph and the allocator's slack.
-        target = re.search(r"plan target (-?[0-9]+) bytes", reason)
-        target = f"the {_mib(int(target.group(1)))} MiB target" if target else "the target"
+        target = report.get("budget_target_bytes")
+        target = f"the {_mib(target)} MiB target" if target is not None else "the target"
         if report["budget_fits"]:
             return f"fits {target} (the budget less margin and allocator slack)"
         least = report.get("achievable_peak_bytes")
         return _clip(f"no plan reaches {target} (the budget less margin and allocator "
                      "slack)" + (f"; least planned {_mib(least)} MiB" if least else ""))
-    if reason.startswith("training graph ("):
-        # "training graph (<why it is one>); <what the plan did>; ..."
-        depth, cut = 0, len(reason)
-        for i, c in enumerate(reason):
-            depth += {"(": 1, ")": -1}.get(c, 0)
-            if depth == 0 and c == ")":
-                cut = i + 1
-                break
-        reason = reason[cut:].lstrip("; ")
+    if report.get("training_reason") is not None:
+        # What the plan did, without why the graph is a training one.
+        reason = "; ".join(report.get("notes") or ())
     if not reason:
         return "no reason given"
     # Whole notes while they fit on the line, else the first one clipped.
-    notes = reason.split("; ")
+    notes = report.get("notes") or [reason]
     text = notes[0]
     for note in notes[1:]:
         if len(text) + 2 + len(note) > REASON_CHARACTERS:

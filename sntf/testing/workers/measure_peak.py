@@ -306,7 +306,8 @@ def _sntf_fields(sntf) -> dict:
     keys = ("graph", "nodes", "predicted_peak_bytes", "planned_peak_bytes",
             "cached_peak_bytes", "lower_bound_bytes", "pass_seconds", "invocations", "action",
             "budget_bytes", "budget_fits", "achievable_peak_bytes",
-            "predicted_seconds_added", "outside_bytes", "reason")
+            "predicted_seconds_added", "outside_bytes", "reason", "fit",
+            "budget_target_bytes")
     fields["training_reports"] = [
         dict({k: r.get(k) for k in keys}, swapped=len(r.get("swapped") or ()),
              recomputed=len(r.get("recomputed") or ()))
