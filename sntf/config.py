@@ -94,6 +94,10 @@ class Options:
     # order, so runs repeat under any thread pool. True leaves such graphs
     # unchanged instead (TensorFlow's one-thread bits, no memory saved).
     exact_sums: bool = False
+    # A pass that plans one graph for more than a few seconds shows on
+    # stderr what it is doing, and then what it took (False: nothing; so
+    # does a level above WARNING on the "sntf" logger).
+    progress: bool = True
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
@@ -130,7 +134,7 @@ def parse_options(options: Mapping[str, Any], caller: str = "sntf.enable()"
         raise TypeError(f"{caller} got unknown option(s) {unknown}; "
                         f"accepted options: {', '.join(OPTION_NAMES)}")
     values = dict(options)
-    for flag in ("identity_rewrite", "keep_graphs", "pin_order", "exact_sums"):
+    for flag in ("identity_rewrite", "keep_graphs", "pin_order", "exact_sums", "progress"):
         if flag in values and not isinstance(values[flag], bool):
             raise ValueError(f"sntf: {flag} must be True or False, got "
                              f"{values[flag]!r}")

@@ -59,6 +59,9 @@ class Environment:
         where a budget or a device limit binds the plan.
       op_determinism: whether TensorFlow's op determinism is on (the user
         asked for results that repeat bit for bit).
+      watch: called with the report as soon as the pass has indexed the
+        graph, which the pass then fills as it goes (a progress display
+        follows it), or None.
     """
 
     threads: int = 1
@@ -71,6 +74,7 @@ class Environment:
     xla_auto_jit: bool = False
     inter_op_threads: Optional[int] = None
     op_determinism: bool = False
+    watch: Optional[Callable[[dict], None]] = None
 
 
 @dataclasses.dataclass
@@ -135,8 +139,10 @@ def run_pass(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
         report["nodes"] = len(index)
         report["graph"] = graph.name_hint(index)
         report["devices"] = sorted({d for d in index.devices if d})
-        result = _run(graph_def, index, state, report, properties, env or Environment(),
-                      defer)
+        env = env or Environment()
+        if env.watch is not None and not defer:
+            env.watch(report)
+        result = _run(graph_def, index, state, report, properties, env, defer)
         result.key = key
         return _finish(result, start)
     except Exception as e:  # noqa: BLE001 - the pass must never fail a graph

@@ -93,12 +93,15 @@ def new_report(name: str = "", nodes: int = 0) -> dict:
 
 @contextlib.contextmanager
 def timed(report: dict, stage: str):
-    """Adds the wall time of a stage to report["stage_seconds"]."""
+    """Adds the wall time of a stage to report["stage_seconds"], where the
+    stage is the last key while it runs (a progress display reads it)."""
+    seconds = report["stage_seconds"]
+    seconds[stage] = seconds.pop(stage, 0.0)
     start = time.perf_counter()
     try:
         yield
     finally:
-        report["stage_seconds"][stage] = time.perf_counter() - start
+        seconds[stage] = time.perf_counter() - start
 
 
 def per_device(index, facts, planned, plan, rewritten) -> dict:

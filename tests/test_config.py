@@ -456,7 +456,7 @@ def test_option_names():
                                    "recompute_mode", "swap_min_bytes",
                                    "link_bandwidth", "budget_behaviour",
                                    "budget_margin", "min_gain", "pin_order",
-                                   "exact_sums")
+                                   "exact_sums", "progress")
 
 
 def test_parse_options_values():
@@ -500,7 +500,7 @@ def test_parse_options_unknown_key():
         "sntf.enable() got unknown option(s) ['alpha', 'zeta']; accepted "
         "options: identity_rewrite, batch_size, host_pool_limit, max_reports, "
         "keep_graphs, recompute_mode, swap_min_bytes, link_bandwidth, "
-        "budget_behaviour, budget_margin, min_gain, pin_order, exact_sums")
+        "budget_behaviour, budget_margin, min_gain, pin_order, exact_sums, progress")
 
 
 @pytest.mark.parametrize("options, fragment", [

@@ -102,14 +102,18 @@ class Instruments:
 
     @contextlib.contextmanager
     def timed(self, stage: str):
-        """Adds the wall time of a planning stage to stage_seconds."""
+        """Adds the wall time of a planning stage to stage_seconds, where
+        the stage is the last key while it runs (a progress display reads
+        it)."""
+        seconds = self.stage_seconds
+        if seconds is not None:
+            seconds[stage] = seconds.pop(stage, 0.0)
         start = time.perf_counter()
         try:
             yield
         finally:
-            if self.stage_seconds is not None:
-                self.stage_seconds[stage] = (self.stage_seconds.get(stage, 0.0)
-                                             + time.perf_counter() - start)
+            if seconds is not None:
+                seconds[stage] += time.perf_counter() - start
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ runs (an error status from TF_InitGraph would abort TensorFlow too).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import importlib
 import logging
@@ -28,7 +29,7 @@ from typing import Optional, Sequence
 
 from sntf import config, passes
 from sntf import report as report_schema
-from sntf.runtime import environment, noops
+from sntf.runtime import environment, noops, progress
 
 logger = logging.getLogger("sntf")
 
@@ -283,12 +284,28 @@ def _run_without_gc(graph_bytes: bytes, fetch, preserve, state, properties, defe
     Nothing the pass builds needs the cycle collector while it runs."""
     gc_was_enabled = gc.isenabled()
     gc.disable()
+    env, shown = environment.current(), None
+    if state.options.progress and logger.isEnabledFor(logging.WARNING):
+        shown = progress.Progress(lambda report: _shown_name(report, graph_bytes))
+        env = dataclasses.replace(env, watch=shown.watch)
+    result = None
     try:
-        return passes.run_pass(graph_bytes, fetch, preserve, state, properties,
-                               environment.current(), defer=defer)
+        result = passes.run_pass(graph_bytes, fetch, preserve, state, properties,
+                                 env, defer=defer)
+        return result
     finally:
+        if shown is not None:
+            shown.finish(result.report if result is not None else None)
         if gc_was_enabled:
             gc.enable()
+
+
+def _shown_name(report: dict, graph_bytes: bytes) -> str:
+    """The graph's name as its report will give it (_name_graph)."""
+    named = {k: report.get(k) for k in ("graph", "training")}
+    named["training"] = True
+    _name_graph(named, graph_bytes)
+    return named.get("graph") or "a graph"
 
 
 def _record_failure(error: Exception) -> None:

@@ -49,28 +49,11 @@ def main() -> None:
 
         sntf.enable(policy=args.policy, **({"exact_sums": True} if args.exact_sums else {}))
     import keras
-    from keras import layers
 
     keras.utils.set_random_seed(1234)
+    from sntf.testing.deep import preact_resnet
 
-    def conv(t):
-        return layers.Conv2D(args.width, 3, padding="same", use_bias=args.bias)(t)
-
-    inp = keras.Input((32, 32, 3))
-    x = conv(inp)
-    for _ in range(args.blocks):
-        if args.arch == "pre":
-            h = conv(layers.ReLU()(layers.BatchNormalization()(x)))
-            h = conv(layers.ReLU()(layers.BatchNormalization()(h)))
-            x = layers.Add()([x, h])
-        else:
-            h = layers.ReLU()(layers.BatchNormalization()(conv(x)))
-            h = layers.BatchNormalization()(conv(h))
-            x = layers.ReLU()(layers.Add()([x, h]))
-    out = layers.Dense(10)(layers.GlobalAveragePooling2D()(x))
-    model = keras.Model(inp, out)
-    model.compile(optimizer=keras.optimizers.SGD(0.001, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = preact_resnet(args.blocks, args.width, args.bias, args.arch)
     r = np.random.RandomState(6)
     xs = r.rand(args.batch, 32, 32, 3).astype("float32")
     ys = r.randint(0, 10, args.batch)
