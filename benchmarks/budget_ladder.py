@@ -184,10 +184,7 @@ def table(rows: list) -> str:
 
 def main(argv) -> int:
     del argv
-    if FLAGS.table:
-        print(table(results.load(FLAGS.results)))
-        return 0
-    return sweep()
+    return results.table_or_sweep(FLAGS.table, FLAGS.results, table, sweep)
 
 
 if __name__ == "__main__":
