@@ -54,8 +54,8 @@ class _RssWatch:
 
 def _watch_passes(growth: list, profile: str = "") -> None:
     """Wraps sntf's pass so that each call records its resident growth
-    (and, given a path, its profile: the largest graph's pass is the last
-    one written there)."""
+    (and, given a path, its profile: the longest pass is the one written
+    there)."""
     from sntf import passes
 
     real = passes.run_pass
@@ -71,13 +71,14 @@ def _watch_passes(growth: list, profile: str = "") -> None:
             result = real(*args, **kwargs)
         if profiler is not None:
             profiler.disable()
-            if (result.report.get("nodes") or 0) >= max(growth_nodes, default=0):
+            seconds = result.report.get("pass_seconds") or 0.0
+            if seconds >= max(profiled, default=0.0):
                 profiler.dump_stats(profile)
-            growth_nodes.append(result.report.get("nodes") or 0)
+            profiled.append(seconds)
         growth.append(watch.peak - watch.start)
         return result
 
-    growth_nodes: list = []
+    profiled: list = []       # the pass seconds of each call
 
     passes.run_pass = watched
 
