@@ -26,6 +26,7 @@ lowest policy's, the measured peaks (min-max) and the worst over the
 budget, what the report said (fits, or the fit code), and three checks:
   lowest  where the budget is not met, auto plans no higher than the
           lowest policy's plan
+  planned auto's planned peak does not rise as the budget falls
   falls   the median measured peak does not rise as the budget falls,
           beyond the spread of the runs at the budget above
   1.05    where the report says the plan fits, the worst run is at most
@@ -140,16 +141,16 @@ def _mib(value) -> str:
 def table(rows: list) -> str:
     """The markdown table and totals of the results file's rows."""
     lines = ["| model | budget | MiB | auto planned | lowest policy planned | "
-             "measured min-max | worst / budget | report | lowest | falls | 1.05 |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | --- |"]
-    failed = {"lowest": 0, "falls": 0, "1.05": 0}
+             "measured min-max | worst / budget | report | lowest | planned | falls | 1.05 |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- |"]
+    failed = {"lowest": 0, "planned": 0, "falls": 0, "1.05": 0}
     checked = dict.fromkeys(failed, 0)
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model and "error" not in r]
         plans = [r["planned_peak"] for r in mine if r["config"] in POLICIES
                  and r.get("planned_peak")]
         lowest = min(plans) if plans else None
-        above = None     # (median, spread) at the budget above
+        above = None     # (median, spread, planned) at the budget above
         for fraction in sorted({r["fraction"] for r in mine if r["fraction"]}, reverse=True):
             runs = [r for r in mine if r["fraction"] == fraction]
             peaks = [r["measured_peak"] for r in runs]
@@ -163,15 +164,16 @@ def table(rows: list) -> str:
                 cells["lowest"] = planned <= lowest
             median = statistics.median(peaks)
             if above is not None:
+                cells["planned"] = planned <= above[2]
                 cells["falls"] = median <= above[0] + above[1]
-            above = (median, max(peaks) - min(peaks))
+            above = (median, max(peaks) - min(peaks), planned)
             if all(fits):
                 cells["1.05"] = max(peaks) <= 1.05 * budget
             for key, ok in cells.items():
                 checked[key] += 1
                 failed[key] += not ok
             marks = [("yes" if cells[k] else "**no**") if k in cells else ""
-                     for k in ("lowest", "falls", "1.05")]
+                     for k in ("lowest", "planned", "falls", "1.05")]
             lines.append(f"| {model} | {fraction:g} | {_mib(budget)} | {_mib(planned)} | "
                          f"{_mib(lowest)} | {_mib(min(peaks))}-{_mib(max(peaks))} | "
                          f"{max(peaks) / budget:.2f} | {said} | " + " | ".join(marks) + " |")
