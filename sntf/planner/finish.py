@@ -130,12 +130,18 @@ def _sequenced(outcome: Outcome, planned, ctx: Context, least: int, merges) -> t
     one the run reaches. The zoo's SE-ResNet at half TensorFlow's peak, held
     to the memory-aware order, planned 0.82 of what it measured and
     measured 1.11 times a budget it was said to fit."""
+    tried: dict = {}     # order edges -> the graph chained by them, analyzed
+
     def chained(facts):
         orders = plan_sequence(planned.index, facts, least, merges)
-        # The edges name the planned graph's nodes (clones and swap-ins
-        # included), so they are applied to it, not to the base graph.
-        return orders, (ctx.evaluate(Plan(policy=outcome.plan.policy, orders=orders),
-                                     planned) if orders else None)
+        # A memory-aware order can chain the ops as the executor's does:
+        # the same edges are analyzed once.
+        if orders not in tried:
+            # The edges name the planned graph's nodes (clones and swap-ins
+            # included), so they are applied to it, not to the base graph.
+            tried[orders] = (ctx.evaluate(Plan(policy=outcome.plan.policy, orders=orders),
+                                          planned) if orders else None)
+        return orders, tried[orders]
 
     orders, ordered = chained(planned.facts)
     if not ctx.search.memory_order:
@@ -143,9 +149,9 @@ def _sequenced(outcome: Outcome, planned, ctx: Context, least: int, merges) -> t
     best = (orders, ordered, "planned order")
     try:
         for reordered in memory_orders(planned.index, planned.facts, ctx.device.pool):
-            other, tried = chained(reordered)
-            if tried is not None and (best[1] is None or tried.peak < best[1].peak):
-                best = (other, tried, "memory-aware order")
+            other, analyzed = chained(reordered)
+            if analyzed is not None and (best[1] is None or analyzed.peak < best[1].peak):
+                best = (other, analyzed, "memory-aware order")
     except Exception:  # noqa: BLE001 - the orders tried so far stand
         pass
     return best
