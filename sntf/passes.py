@@ -59,8 +59,8 @@ class Environment:
         where a budget or a device limit binds the plan.
       op_determinism: whether TensorFlow's op determinism is on (the user
         asked for results that repeat bit for bit).
-      watch: called with the report as soon as the pass has indexed the
-        graph, which the pass then fills as it goes (a progress display
+      watch: called with the report of a training graph the pass goes on
+        to plan, which the pass then fills as it goes (a progress display
         follows it), or None.
     """
 
@@ -139,10 +139,8 @@ def run_pass(graph_bytes: bytes, fetch: Sequence[str], preserve: Sequence[str],
         report["nodes"] = len(index)
         report["graph"] = graph.name_hint(index)
         report["devices"] = sorted({d for d in index.devices if d})
-        env = env or Environment()
-        if env.watch is not None and not defer:
-            env.watch(report)
-        result = _run(graph_def, index, state, report, properties, env, defer)
+        result = _run(graph_def, index, state, report, properties, env or Environment(),
+                      defer)
         result.key = key
         return _finish(result, start)
     except Exception as e:  # noqa: BLE001 - the pass must never fail a graph
@@ -201,6 +199,9 @@ def _run(graph_def, index, state: config.State, report: dict,
         report["deferred"] = True
         _explain(report, why_training, (DEFERRED,))
         return PassResult(None, report, deferred=True)
+    if env.watch is not None:
+        # Only a training graph the pass goes on to plan can take long.
+        env.watch(report)
     original = graph_def
     with reports.timed(report, "sums"):
         sums = rewrite.hold_before_planning(graph_def, index, _onednn(env, index),
