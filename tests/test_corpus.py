@@ -112,3 +112,28 @@ def test_a_budget_no_plan_meets_gets_no_plan_above_any_policys(name):
         "auto", off["lower_bound_bytes"] // 2)).report
     assert report["budget_fits"] is False, report["reason"]
     assert report["planned_peak_bytes"] <= lowest, report["reason"]
+
+
+def test_the_index_of_every_tried_plan_equals_a_full_build(monkeypatch):
+    """The evaluator updates the base graph's index where a rewrite changed
+    it (graph.updated_index) instead of indexing the rewritten graph anew:
+    every index it makes, oneDNN's merges kept included, must equal the
+    full build."""
+    from sntf import graph, rewrite
+
+    made = []    # (the index updated, whether it was one made here)
+
+    def checked(before, graph_def, touched):
+        got = graph.updated_index(before, graph_def, touched)
+        assert got == graph.build_index(graph_def, [before.names[i] for i in before.fetch],
+                                        [before.names[i] for i in before.preserve])
+        made.append((got, any(before is g for g, _ in made)))
+        return got
+
+    monkeypatch.setattr(rewrite, "updated_index", checked)
+    for name in ("zoo-allconv_swish", "family-unet"):
+        entry = corpus.load(os.path.join(FOLDER, name + ".json.gz"))
+        for policy in ("swap+recompute", "auto"):
+            corpus.replay(entry, corpus.config(policy))
+    # oneDNN's merges were kept again: an updated index updated once more.
+    assert len(made) >= 20 and any(again for _, again in made)

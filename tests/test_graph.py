@@ -192,6 +192,44 @@ def test_missing_input_raises(family):
     assert str(excinfo.value) == "node 'y' reads missing node 'nowhere'"
 
 
+def test_updated_index_equals_a_full_build_after_appending_and_rewiring():
+    gd = (graphs.GraphBuilder()
+          .op("Split", "a", [], num_split=2)
+          .const("b", 1.0)
+          .op("NoOp", "c")
+          .op("AddN", "m", ["a:1", "^c", "b", "a"], N=3)
+          .op("Identity", "n", ["m", "^c", "^m"])
+          .build())
+    before = index_of(gd, fetch=["n"], preserve=["c"])
+    after = type(gd)()
+    after.CopyFrom(gd)
+    clone = after.node.add()
+    clone.CopyFrom(after.node[3])
+    clone.name = "m/clone"
+    names.mark(clone, names.ROLE_RECOMPUTE)
+    del after.node[4].input[:]
+    after.node[4].input.extend(["m/clone", "^b", "^c"])   # n reads the clone
+    after.node[1].input.append("^c")                       # b waits for c
+    got = graph.updated_index(before, after, {"n", "b"})
+    assert got == index_of(after, fetch=["n"], preserve=["c"])
+    assert got.consumers[3] == () and got.control_consumers[2] == (1, 3, 4, 5)
+
+
+def test_updated_index_refuses_a_taken_name_and_a_missing_input():
+    gd = graphs.chain(3)
+    before = index_of(gd)
+    taken = type(gd)()
+    taken.CopyFrom(gd)
+    taken.node.add().CopyFrom(gd.node[1])
+    with pytest.raises(graph.GraphError, match="duplicate node name"):
+        graph.updated_index(before, taken, ())
+    missing = type(gd)()
+    missing.CopyFrom(gd)
+    missing.node[2].input.append("^nowhere")
+    with pytest.raises(graph.GraphError, match="reads missing node 'nowhere'"):
+        graph.updated_index(before, missing, {missing.node[2].name})
+
+
 # --------------------------------------------------------------------------
 # Topological order
 # --------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 MIN_ALLOCATION_BITS = 8
@@ -39,6 +40,10 @@ def bin_for_size(n: int) -> int:
     """BFC's bin index: floor(log2(n >> 8)), capped."""
     v = max(n, 1) >> MIN_ALLOCATION_BITS
     return min(NUM_BINS - 1, v.bit_length() - 1) if v else 0
+
+
+# bin_for_size of a chunk's size, memoized: a step's buffers come in few sizes.
+_bin_of = functools.lru_cache(maxsize=1 << 16)(bin_for_size)
 
 
 class OutOfMemory(Exception):
@@ -79,18 +84,21 @@ class BfcModel:
 
     # -- bins
     def _bin_insert(self, c: _Chunk) -> None:
-        bisect.insort(self._bins[bin_for_size(c.size)], (c.size, c.addr))
+        bisect.insort(self._bins[_bin_of(c.size)], (c.size, c.addr))
 
     def _bin_remove(self, c: _Chunk) -> None:
-        entries = self._bins[bin_for_size(c.size)]
+        entries = self._bins[_bin_of(c.size)]
         entries.pop(bisect.bisect_left(entries, (c.size, c.addr)))
 
     def _find(self, size: int) -> Optional[_Chunk]:
-        for b in range(bin_for_size(size), NUM_BINS):
-            entries = self._bins[b]
-            k = bisect.bisect_left(entries, (size, -1))
-            if k < len(entries):
-                return self._chunks[entries[k][1]]
+        key = (size, -1)
+        bins = self._bins
+        for b in range(_bin_of(size), NUM_BINS):
+            entries = bins[b]
+            if entries:
+                k = bisect.bisect_left(entries, key)
+                if k < len(entries):
+                    return self._chunks[entries[k][1]]
         return None
 
     # -- regions
@@ -160,10 +168,15 @@ class BfcModel:
             c = self._merge(self._chunks[c.prev], c)
         self._bin_insert(c)
 
+    def _binned(self, c: _Chunk) -> bool:
+        entries = self._bins[_bin_of(c.size)]
+        k = bisect.bisect_left(entries, (c.size, c.addr))
+        return k < len(entries) and entries[k] == (c.size, c.addr)
+
     def _merge(self, left: _Chunk, right: _Chunk) -> _Chunk:
-        if not left.in_use and (left.size, left.addr) in self._bins[bin_for_size(left.size)]:
+        if not left.in_use and self._binned(left):
             self._bin_remove(left)
-        if not right.in_use and (right.size, right.addr) in self._bins[bin_for_size(right.size)]:
+        if not right.in_use and self._binned(right):
             self._bin_remove(right)
         left.size += right.size
         left.next = right.next
@@ -244,6 +257,9 @@ def simulate(buffer_bytes: dict, persistent, intervals: dict, end: int,
         allocs[start].append((is_scratch(b), b))
         if stop < end:
             frees[stop].append((not is_scratch(b), b))
+    for lists in (allocs, frees):
+        for step_list in lists.values():
+            step_list.sort()
     handover = handover or {}
     series = _run_step(sim, buffer_bytes, allocs, frees, end, held, handover)
     if handover:
@@ -261,11 +277,11 @@ def _run_step(sim: BfcModel, buffer_bytes: dict, allocs: dict, frees: dict, end:
     series = []
     step = -1
     try:
-        for step in range(end):
-            for _, b in sorted(allocs.get(step, ())):
+        for step in range(end):     # each step's lists sorted (simulate)
+            for _, b in allocs.get(step, ()):
                 where[b] = sim.allocate(buffer_bytes[b])
             series.append(sim.in_use)
-            for _, b in sorted(frees.get(step, ())):
+            for _, b in frees.get(step, ()):
                 target = handover.get(b)
                 if target in held:
                     sim.free(held[target])

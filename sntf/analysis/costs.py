@@ -76,6 +76,12 @@ def _conv_col_buffer(batch: int, out_image: int, filter_total: int,
     return shard * size_c * itemsize
 
 
+def has_workspace(op: str, onednn: bool = False) -> bool:
+    """Whether workspace_bytes can be more than 0 for an op of this type."""
+    return not onednn and op in (optable.CONV_BACKPROP_INPUT_OP,
+                                 optable.CONV_BACKPROP_FILTER_OP)
+
+
 def workspace_bytes(op: str, input_shapes: Sequence[Optional[tuple]],
                     output_shapes: Sequence[Optional[tuple]], itemsize: int,
                     threads: int, onednn: bool = False) -> int:
@@ -94,8 +100,7 @@ def workspace_bytes(op: str, input_shapes: Sequence[Optional[tuple]],
     Returns:
       Bytes of scratch memory.
     """
-    if (op in (optable.CONV_BACKPROP_INPUT_OP, optable.CONV_BACKPROP_FILTER_OP)
-            and len(input_shapes) >= 3 and not onednn):
+    if has_workspace(op, onednn) and len(input_shapes) >= 3:
         dy = input_shapes[2]
         if op == optable.CONV_BACKPROP_INPUT_OP:
             filt = input_shapes[1]

@@ -9,7 +9,8 @@ memory by (the op, SCRATCH_PORT). sntf.analysis.memory computes them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional
+import threading
+from typing import Callable, Mapping, Optional
 
 from sntf.graph.index import on_gpu
 
@@ -34,6 +35,32 @@ class Timeline:
     checkpoint_steps: tuple[int, ...]
 
 
+class Deferred:
+    """A value computed when first read, its computation then dropped.
+
+    A planner tries many rewritten graphs and reads the lower bound and the
+    op costs of only those it builds on; the analysis of the others skips
+    them. Equal to any other Deferred, so that analyses compare by what
+    they hold."""
+
+    def __init__(self, compute: Callable[[], object]):
+        self._compute: Optional[Callable[[], object]] = compute
+        self._value: object = None
+        self._lock = threading.Lock()
+
+    def get(self) -> object:
+        """The value, computed on the first call."""
+        with self._lock:
+            if self._compute is not None:
+                self._value, self._compute = self._compute(), None
+            return self._value
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Deferred)
+
+    __hash__ = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Analysis:
     """Everything the planner needs to know about one training graph.
@@ -53,9 +80,8 @@ class Analysis:
     timeline: Timeline
     predicted_peak_bytes: int
     peak_step: int
-    lower_bound_bytes: int
-    lower_bound_step: int
-    step_seconds: tuple[float, ...]                              # step -> seconds
+    # (lower bound bytes, its step, step -> seconds), computed when read.
+    costs: Deferred
     unknown_sizes: int
     # Bytes of the variables the graph reads (part of persistent_bytes):
     # allocated before the step, by whoever created the variables.
@@ -78,6 +104,21 @@ class Analysis:
     # modelled on them (memory.with_outside): allocated first in the
     # allocator model, the timeline is then what the graph adds to them.
     outside_bytes: int = 0
+
+    @property
+    def lower_bound_bytes(self) -> int:
+        """The largest single-op working set plus the persistent bytes."""
+        return self.costs.get()[0]
+
+    @property
+    def lower_bound_step(self) -> int:
+        """The schedule step of that op."""
+        return self.costs.get()[1]
+
+    @property
+    def step_seconds(self) -> tuple[float, ...]:
+        """Estimated seconds of each schedule step."""
+        return self.costs.get()[2]
 
     @property
     def device_peak_bytes(self) -> dict:

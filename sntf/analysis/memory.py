@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import os
 from typing import Optional
 
 from sntf.analysis import bfc
-from sntf.analysis.costs import DEFAULT_COST_MODEL, CostModel, op_seconds, workspace_bytes
+from sntf.analysis.costs import (DEFAULT_COST_MODEL, CostModel, has_workspace, op_seconds,
+                                 workspace_bytes)
 from sntf.analysis.schedule import schedule
 from sntf.analysis.shapes import (Properties, SymbolicSize, concrete,
                                   resolve_symbolic_dims, rounded, shape_of, tensor_size)
@@ -35,7 +37,7 @@ from sntf.graph.training import handle_root
 
 from sntf.analysis.facts import (  # noqa: F401 (the module's public names)
     ACTIVATION, GRADIENT, PERSISTENT, SCRATCH_PORT, TEMPORARY, TENSOR_CLASSES,
-    VARIABLE_PORT, Analysis, Timeline)
+    VARIABLE_PORT, Analysis, Deferred, Timeline)
 
 
 def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
@@ -73,7 +75,6 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
     device = device_series(live.buffer_bytes, live.persistent, intervals, end, handover)
     peak_step = _peak_step(device)
     peak = device[peak_step] if end else live.persistent_bytes()
-    lower, lower_step, seconds = _lower_bound_and_costs(live, batch, cost_model)
     backward_steps = [s for s, i in enumerate(order) if phases[i] == BACKWARD]
     timeline = Timeline(
         steps=order, live_bytes=total, device_bytes=device, by_class=by_class,
@@ -81,16 +82,17 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
         checkpoint_steps=tuple(s for s, i in enumerate(order)
                                if optable.op_class(g.ops[i]) == optable.CHECKPOINT
                                and phases[i] == FORWARD))
+    buffer_bytes, buffers = live.release()
     return Analysis(
-        device_timelines=_device_timelines(g, live.buffer_bytes, live.persistent,
+        device_timelines=_device_timelines(g, buffer_bytes, live.persistent,
                                            intervals, end, handover),
         batch=batch, schedule=order, node_phases=phases,
-        buffer_bytes=dict(live.buffer_bytes), buffer_class=klass,
-        buffer_intervals=intervals, buffers=dict(live.owner),
+        buffer_bytes=buffer_bytes, buffer_class=klass,
+        buffer_intervals=intervals, buffers=buffers,
         persistent_bytes=live.persistent_bytes(), timeline=timeline,
         predicted_peak_bytes=peak, peak_step=peak_step,
-        lower_bound_bytes=lower, lower_bound_step=lower_step,
-        step_seconds=tuple(seconds), unknown_sizes=unknown,
+        costs=Deferred(lambda: _lower_bound_and_costs(live, batch, cost_model)),
+        unknown_sizes=unknown,
         variable_bytes=sum(live.buffer_bytes[b] for b in live.persistent
                            if b[1] == VARIABLE_PORT),
         persistent_buffers=frozenset(live.persistent), handover=handover)
@@ -101,13 +103,17 @@ def _sizes(g: GraphIndex, properties, batch: Optional[int]) -> tuple[dict, int]:
     counts = getattr(properties, "counts", {})
     sizes: dict = {}
     unknown = 0
-    for i in range(len(g.names)):
-        for port, (dtype, shape) in enumerate(properties.get(g.names[i], ())):
-            size = tensor_size(dtype, shape)
-            if (g.names[i], port) in counts:
+    sized: dict = {}    # (dtype, shape) -> its size: a graph has few of them
+    for i, name in enumerate(g.names):
+        for port, (dtype, shape) in enumerate(properties.get(name, ())):
+            key = (dtype, shape if shape is None or isinstance(shape, tuple) else tuple(shape))
+            size = sized.get(key)
+            if size is None:
+                size = sized[key] = tensor_size(dtype, shape)
+            if counts and (name, port) in counts:
                 # Unsolved dims, or one that holds the batch times a number,
                 # but a known element count.
-                elements, power = counts[(g.names[i], port)]
+                elements, power = counts[(name, port)]
                 itemsize = optable.DTYPE_BYTES.get(dtype, 0)
                 size = (SymbolicSize(0, itemsize * elements) if power == 1 else
                         SymbolicSize(itemsize * elements, 0) if power == 0 else size)
@@ -145,9 +151,10 @@ class _Liveness:
         self.buffer_free: dict = {}    # buffer id -> last step any alias is read
         self.buffer_alloc: dict = {}   # buffer id -> step allocated
         self.persistent: set = set()
-        self.outputs_of = {i: [(i, port) for port in
-                               range(len(properties.get(g.names[i], ())))]
-                           for i in range(len(g.names))}
+        # Per node, its output tensors; most nodes have one output.
+        outputs = properties.get
+        self.outputs_of = [[(i, 0)] if k == 1 else [(i, port) for port in range(k)]
+                           for i, k in enumerate(len(outputs(name, ())) for name in g.names)]
         self.last_use = self._last_uses()
         self.fetched = self._fetched()
         for s, i in enumerate(order):
@@ -159,10 +166,11 @@ class _Liveness:
 
     def _last_uses(self) -> dict:
         """tensor -> the step of its last consumer."""
-        last_use = collections.defaultdict(int)
-        for i in range(len(self.g.names)):
-            for t in self.g.data_inputs[i]:
-                last_use[t] = max(last_use[t], self.step_of[i])
+        last_use = {}
+        data_inputs = self.g.data_inputs
+        for s, i in enumerate(self.order):     # steps ascending: the last wins
+            for t in data_inputs[i]:
+                last_use[t] = s
         return last_use
 
     def _fetched(self) -> set:
@@ -218,13 +226,17 @@ class _Liveness:
                 self._allocate(t, s)
 
     def _run(self, s: int, i: int) -> None:
-        for t in self.outputs_of[i]:
+        outputs = self.outputs_of[i]
+        for t in outputs:
             self._place(s, i, t)
-        # Extend the life of every buffer this op reads and writes.
-        for t in list(self.g.data_inputs[i]) + self.outputs_of[i]:
-            b = self.owner.get(t)
-            if b is not None:
-                self.buffer_free[b] = max(self.buffer_free.get(b, -1), s)
+        # Extend the life of every buffer this op reads and writes (steps
+        # run in order: this one is the latest yet).
+        owner, free = self.owner, self.buffer_free
+        for tensors in (self.g.data_inputs[i], outputs):
+            for t in tensors:
+                b = owner.get(t)
+                if b is not None:
+                    free[b] = s
 
     def _reduces_nothing(self, i: int) -> bool:
         """Whether reduction i keeps every element of its input: its output
@@ -272,7 +284,10 @@ class _Liveness:
 
     def add_scratch(self, batch: Optional[int], threads: int, onednn: bool) -> None:
         """Scratch buffers: live only while their op runs."""
+        ops = self.g.ops
         for s, i in enumerate(self.order):
+            if not has_workspace(ops[i], onednn):
+                continue
             outs = self.properties.get(self.g.names[i], ())
             ws = workspace_bytes(self.g.ops[i],
                                  [concrete(x, batch) for x in self.input_shapes(i)],
@@ -301,6 +316,15 @@ class _Liveness:
                     and not any(t in self.fetched for t in self.owner.tensors[b])):
                 found[b] = target
         return found
+
+    def release(self) -> tuple[dict, dict]:
+        """Drops what only the timeline needs: the lower bound and the op
+        costs, computed when first read, need the rest. Returns (buffer ->
+        bytes, tensor -> buffer) as plain dicts, which it keeps in their
+        place, so that an analysis and this share them."""
+        del self.step_of, self.last_use, self.buffer_free, self.buffer_alloc, self.fetched
+        self.buffer_bytes, self.owner = dict(self.buffer_bytes), dict(self.owner)
+        return self.buffer_bytes, self.owner
 
     def persistent_bytes(self) -> int:
         return sum(self.buffer_bytes[b] for b in self.persistent)
@@ -336,12 +360,9 @@ def _class_series(live: _Liveness, klass: dict, intervals: dict, end: int):
         delta[c][min(stop, end) + 1] -= live.buffer_bytes[b]
     by_class = {}
     for c in TENSOR_CLASSES:
-        running, series = 0, []
-        for s in range(end):
-            running += delta[c][s]
-            series.append(running + (persistent_bytes if c == PERSISTENT else 0))
-        by_class[c] = tuple(series)
-    total = tuple(sum(by_class[c][s] for c in TENSOR_CLASSES) for s in range(end))
+        start = persistent_bytes if c == PERSISTENT else 0
+        by_class[c] = tuple(itertools.accumulate(delta[c][:end], initial=start))[1:]
+    total = tuple(map(sum, zip(*(by_class[c] for c in TENSOR_CLASSES))))
     return by_class, total
 
 
@@ -367,7 +388,7 @@ def _lower_bound_and_costs(live: _Liveness, batch: Optional[int],
             lower, lower_step = work, s
         seconds.append(op_seconds(g.ops[i], ins, outs, live.input_shapes(i), batch,
                                   cost_model, itemsize=live.itemsize(i)))
-    return lower, lower_step, seconds
+    return lower, lower_step, tuple(seconds)
 
 
 def device_series(buffer_bytes: dict, persistent: set, intervals: dict, end: int,

@@ -41,34 +41,39 @@ def schedule(g: GraphIndex, consumers_last_first: bool = False,
     """
     n = len(g.names)
     back_edge = {i for i in range(n) if g.ops[i] in optable.NEXT_ITERATION_OPS}
-    pending = [0] * n
-    for i in range(n):
-        preds = [p for p, _ in g.data_inputs[i]] + list(g.control_inputs[i])
-        pending[i] = sum(1 for p in preds if p not in back_edge)
+    pending = [sum(1 for p in preds if p not in back_edge) if back_edge else len(preds)
+               for preds in g.producers]
     pool = collections.deque(i for i in range(n) if pending[i] == 0)
     merged = merged or {}
     absorber = {second: first for first, second in merged.items()}
-    order, ran = [], set()
+    cheap = [op in optable.INEXPENSIVE_OPS for op in g.ops]
+    out_edges = _out_edges(g, consumers_last_first)
+    order, ran = [], [False] * n
     while pool:
         inline = collections.deque([pool.popleft()])
         while inline:
             i = inline.popleft()
-            if i in ran:
+            if ran[i]:
                 continue   # a root that ran in its partner's kernel
             group = [i]
-            partner = merged.get(i)
-            if partner is not None and partner not in ran and pending[partner] == 0:
+            partner = merged.get(i) if merged else None
+            if partner is not None and not ran[partner] and pending[partner] == 0:
                 group.append(partner)   # one kernel computes both
-            ran.update(group)
+            for node in group:
+                ran[node] = True
             order.extend(group)
             current, deferred = None, []
             for node in group:
                 if node in back_edge:
                     continue
-                for c in _ready(g, node, pending, consumers_last_first):
-                    if c in ran or (c in absorber and absorber[c] not in ran):
+                for c in out_edges[node]:
+                    pending[c] -= 1
+                    if pending[c]:
+                        continue
+                    # c is ready: what it waited for has run.
+                    if ran[c] or (c in absorber and not ran[absorber[c]]):
                         continue   # runs (or ran) in its partner's kernel
-                    if g.ops[c] in optable.INEXPENSIVE_OPS:
+                    if cheap[c]:
                         inline.append(c)
                         continue
                     if current is not None:
@@ -86,16 +91,10 @@ def schedule(g: GraphIndex, consumers_last_first: bool = False,
     return tuple(order)
 
 
-def _ready(g: GraphIndex, node: int, pending: list, last_first: bool) -> list:
-    """The consumers of `node` it leaves with no pending input, in the order
-    of the executor's out-edge lists: data consumers in graph order (or
-    last-added first), then control consumers."""
-    data = [c for c, _, _ in g.consumers[node]]
+def _out_edges(g: GraphIndex, last_first: bool) -> list:
+    """Each node's out-edges in the order of the executor's out-edge lists:
+    data consumers in graph order (or last-added first), then control
+    consumers."""
     if last_first:
-        data.reverse()
-    ready = []
-    for c in data + list(g.control_consumers[node]):
-        pending[c] -= 1
-        if pending[c] == 0:
-            ready.append(c)
-    return ready
+        return [d[::-1] + c for d, c in zip(g.data_readers, g.control_consumers)]
+    return g.readers

@@ -338,19 +338,28 @@ class _DimSolver:
                          if self.value.get(d, (1, 1)) == (1, 1)), None)
         value = self.value
         resolved, kept = {}, {}
+        # shape -> (the shape resolved, its count where that says its size):
+        # a graph has few distinct shapes.
+        seen: dict = {}
         for name, outs in self.properties.items():
             new_outs = []
             for port, (dtype, shape) in enumerate(outs):
                 if shape is not None:
-                    total = self.product(shape)
-                    shape = tuple(d if d is None or d >= 0 or d not in value else
-                                  value[d][0] if value[d][1] == 0 else
-                                  batch_id if value[d] == (1, 1) else d for d in shape)
-                    if total is not None and any(d is not None and d < 0
-                                                 and d != batch_id for d in shape):
+                    shape = shape if isinstance(shape, tuple) else tuple(shape)
+                    done = seen.get(shape)
+                    if done is None:
+                        total = self.product(shape)
+                        new = tuple(d if d is None or d >= 0 or d not in value else
+                                    value[d][0] if value[d][1] == 0 else
+                                    batch_id if value[d] == (1, 1) else d for d in shape)
                         # A dim left symbolic (n * batch, or an id of the
                         # batch other than the main one): the count says
                         # the size.
+                        left = total is not None and any(
+                            d is not None and d < 0 and d != batch_id for d in new)
+                        done = seen[shape] = (new, total if left else None)
+                    shape, total = done
+                    if total is not None:
                         kept[(name, port)] = total
                 new_outs.append((dtype, shape))
             resolved[name] = new_outs

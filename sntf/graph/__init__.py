@@ -7,7 +7,8 @@ below are the stage's public interface.
 
 from sntf.graph.identity import graph_key
 from sntf.graph.index import (GraphError, GraphIndex, ancestors, build_index,
-                              descendants, name_hint, on_gpu, parse_input)
+                              descendants, name_hint, on_gpu, parse_input,
+                              updated_index)
 from sntf.graph.optable import is_gradient_op, is_update_op
 from sntf.graph.phases import (BACKWARD, FORWARD, OTHER, classify_phases, waits_for_loss,
                                weight_consumers)
@@ -19,6 +20,6 @@ __all__ = [
     "BACKWARD", "FORWARD", "OTHER", "GraphError", "GraphIndex", "TrainingInfo",
     "ancestors", "build_index", "classify_phases", "control_flow_region",
     "descendants", "detect_training", "graph_key", "handle_root", "is_gradient_op",
-    "is_update_op", "loop_ops", "name_hint", "on_gpu", "parse_input", "variable_access",
-    "waits_for_loss", "weight_consumers", "xla_compiled",
+    "is_update_op", "loop_ops", "name_hint", "on_gpu", "parse_input", "updated_index",
+    "variable_access", "waits_for_loss", "weight_consumers", "xla_compiled",
 ]

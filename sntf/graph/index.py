@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import heapq
 import threading
 import weakref
@@ -92,6 +93,38 @@ class GraphIndex:
         """Index of the node called `name`."""
         return self.index[name]
 
+    # Neighbour lists by kind of edge, made the first time a walk over the
+    # graph asks (ancestors, descendants): the analysis walks each graph
+    # it is given many times.
+    @functools.cached_property
+    def data_producers(self) -> tuple:
+        """Per node, the producers of its data inputs, in input order."""
+        return tuple(tuple(p for p, _ in d) for d in self.data_inputs)
+
+    @functools.cached_property
+    def producers(self) -> tuple:
+        """Per node, the producers of its data inputs, then of its control ones."""
+        return tuple(d + c for d, c in zip(self.data_producers, self.control_inputs))
+
+    @functools.cached_property
+    def state_producers(self) -> tuple:
+        """Per node, its data producers, then the variable updates it waits
+        for by a control edge."""
+        ops = self.ops
+        return tuple(d + tuple(p for p in c if optable.is_update_op(ops[p])) if c else d
+                     for d, c in zip(self.data_producers, self.control_inputs))
+
+    @functools.cached_property
+    def data_readers(self) -> tuple:
+        """Per node, the consumers of its outputs, edge by edge, in the
+        order of `consumers`."""
+        return tuple(tuple(c for c, _, _ in cs) for cs in self.consumers)
+
+    @functools.cached_property
+    def readers(self) -> tuple:
+        """Per node, data_readers, then its control consumers."""
+        return tuple(d + c for d, c in zip(self.data_readers, self.control_consumers))
+
 
 def build_index(graph_def, fetch: Iterable[str] = (),
                 preserve: Iterable[str] = ()) -> GraphIndex:
@@ -153,6 +186,91 @@ def build_index(graph_def, fetch: Iterable[str] = (),
         frames=tuple(_frame_name(node) for node in nodes))
 
 
+def updated_index(before: GraphIndex, graph_def, touched: Iterable[str]) -> GraphIndex:
+    """The index of a graph rewritten from `before`'s by appending nodes and
+    changing the inputs of the nodes named in `touched`, and nothing else
+    (sntf.rewrite's rewrites): equal to build_index of it with `before`'s
+    fetch and preserve nodes, at the cost of the nodes that changed and a
+    new topological order.
+
+    Args:
+      before: the index of the graph it was rewritten from.
+      graph_def: the rewritten GraphDef, `before`'s nodes first, in order.
+      touched: names of `before`'s nodes whose inputs may have changed.
+
+    Returns:
+      The index.
+
+    Raises:
+      GraphError: a new node's name is taken, or an input names a missing node.
+    """
+    nodes = graph_def.node
+    n, m = len(before.names), len(nodes)
+    index = dict(before.index)
+    for i in range(n, m):
+        name = nodes[i].name
+        if name in index:
+            raise GraphError(f"duplicate node name {name!r}")
+        index[name] = i
+    data_inputs = list(before.data_inputs) + [()] * (m - n)
+    control_inputs = list(before.control_inputs) + [()] * (m - n)
+    consumers = list(before.consumers) + [()] * (m - n)
+    control_consumers = list(before.control_consumers) + [()] * (m - n)
+    changed = sorted({before.index[name] for name in touched if name in before.index}
+                     | set(range(n, m)))
+    # Each producer's consumers are listed by consumer, then input slot, as
+    # build_index lists them: the changed nodes' edges are taken out and
+    # put back in that order.
+    fed, controlled = collections.defaultdict(list), collections.defaultdict(list)
+    for i in changed:
+        for p, port in data_inputs[i]:
+            fed[p]
+        for p in control_inputs[i]:
+            controlled[p]
+    for i in changed:
+        data, control = _parsed_inputs(nodes[i], index)
+        data_inputs[i], control_inputs[i] = data, control
+        for slot, (p, port) in enumerate(data):
+            fed[p].append((i, slot, port))
+        for p in control:
+            controlled[p].append(i)
+    moved = frozenset(changed)
+    for p, edges in fed.items():
+        consumers[p] = tuple(sorted([e for e in consumers[p] if e[0] not in moved] + edges))
+    for p, edges in controlled.items():
+        control_consumers[p] = tuple(sorted(
+            [c for c in control_consumers[p] if c not in moved] + edges))
+    new = nodes[n:]
+    ops = before.ops + tuple(node.op for node in new)
+    topo, has_cycles = _topological_order(ops, data_inputs, control_inputs,
+                                          consumers, control_consumers)
+    return GraphIndex(
+        names=before.names + tuple(node.name for node in new), ops=ops,
+        devices=before.devices + tuple(node.device for node in new), index=index,
+        data_inputs=tuple(data_inputs), control_inputs=tuple(control_inputs),
+        consumers=tuple(consumers), control_consumers=tuple(control_consumers),
+        topo=tuple(topo), fetch=before.fetch, preserve=before.preserve,
+        has_cycles=has_cycles,
+        sntf_nodes=before.sntf_nodes + tuple(n + k for k, node in enumerate(new)
+                                             if names.role_of(node)),
+        frames=before.frames + tuple(_frame_name(node) for node in new))
+
+
+def _parsed_inputs(node, index: dict) -> tuple:
+    """(data inputs, control inputs) of a NodeDef, by producer index."""
+    data, control = [], []
+    for text in node.input:
+        name, port, is_control = parse_input(text)
+        producer = index.get(name)
+        if producer is None:
+            raise GraphError(f"node {node.name!r} reads missing node {name!r}")
+        if is_control:
+            control.append(producer)
+        else:
+            data.append((producer, port))
+    return tuple(data), tuple(control)
+
+
 def _frame_name(node) -> str:
     if node.op not in optable.ENTER_OPS:
         return ""
@@ -164,24 +282,29 @@ def _topological_order(ops, data_inputs, control_inputs, consumers,
     """Kahn's algorithm, lowest index first among ready nodes (stable)."""
     n = len(ops)
     back_edge_sources = {i for i in range(n) if ops[i] in optable.NEXT_ITERATION_OPS}
-    indegree = [0] * n
-    for i in range(n):
-        preds = [p for p, _ in data_inputs[i]] + list(control_inputs[i])
-        indegree[i] = sum(1 for p in preds if p not in back_edge_sources)
+    if back_edge_sources:
+        indegree = [sum(1 for p, _ in d if p not in back_edge_sources)
+                    + sum(1 for p in c if p not in back_edge_sources)
+                    for d, c in zip(data_inputs, control_inputs)]
+    else:
+        indegree = [len(d) + len(c) for d, c in zip(data_inputs, control_inputs)]
     ready = [i for i in range(n) if indegree[i] == 0]
     heapq.heapify(ready)
     order = []
+    pop, push = heapq.heappop, heapq.heappush
     while ready:
-        i = heapq.heappop(ready)
+        i = pop(ready)
         order.append(i)
         if i in back_edge_sources:
-            successors = []
-        else:
-            successors = [c for c, _, _ in consumers[i]] + list(control_consumers[i])
-        for c in successors:
+            continue
+        for c, _, _ in consumers[i]:
             indegree[c] -= 1
             if indegree[c] == 0:
-                heapq.heappush(ready, c)
+                push(ready, c)
+        for c in control_consumers[i]:
+            indegree[c] -= 1
+            if indegree[c] == 0:
+                push(ready, c)
     has_cycles = len(order) != n
     if has_cycles:
         seen = set(order)
@@ -204,36 +327,27 @@ def ancestors(g: GraphIndex, starts: Iterable[int], control: bool = True,
     Returns:
       The set of ancestor indices.
     """
-    seen = set(starts)
-    stack = list(seen)
-    while stack:
-        i = stack.pop()
-        preds = [p for p, _ in g.data_inputs[i]]
-        if control:
-            preds += g.control_inputs[i]
-        elif state:
-            preds += [p for p in g.control_inputs[i] if optable.is_update_op(g.ops[p])]
-        for p in preds:
-            if p not in seen:
-                seen.add(p)
-                stack.append(p)
-    return seen
+    preds = g.producers if control else g.state_producers if state else g.data_producers
+    return _reached(preds, starts, None)
 
 
 def descendants(g: GraphIndex, starts: Iterable[int], within: Optional[set] = None,
                 control: bool = False) -> set:
     """All nodes reachable from `starts` (included), optionally inside `within`."""
+    return _reached(g.readers if control else g.data_readers, starts, within)
+
+
+def _reached(neighbours: tuple, starts: Iterable[int], within: Optional[set]) -> set:
+    """`starts` and every node reached from them along `neighbours`, only
+    through nodes in `within` where given."""
     seen = set(starts)
     stack = list(seen)
+    pop, push, add = stack.pop, stack.append, seen.add
     while stack:
-        i = stack.pop()
-        succs = [c for c, _, _ in g.consumers[i]]
-        if control:
-            succs += g.control_consumers[i]
-        for c in succs:
-            if c not in seen and (within is None or c in within):
-                seen.add(c)
-                stack.append(c)
+        for p in neighbours[pop()]:
+            if p not in seen and (within is None or p in within):
+                add(p)
+                push(p)
     return seen
 
 

@@ -7,6 +7,8 @@ is for. Replace or extend a table here, never inline a literal elsewhere.
 
 from __future__ import annotations
 
+import functools
+
 # ---------------------------------------------------------------- DataTypes
 # DataType enum values (tensorflow/core/framework/types.proto).
 DT_FLOAT, DT_DOUBLE, DT_INT32, DT_UINT8, DT_INT16, DT_INT8 = 1, 2, 3, 4, 5, 6
@@ -67,6 +69,7 @@ ASSIGN_VARIABLE_OP = "AssignVariableOp"
 RESHAPE_OP = "Reshape"
 
 
+@functools.lru_cache(maxsize=None)     # a graph has few op types
 def is_update_op(op: str) -> bool:
     """Whether an op type writes a variable."""
     return (op in UPDATE_OPS or op in REF_SCATTER_OPS
@@ -236,6 +239,7 @@ GRADIENT_OP_TYPES = frozenset({"BroadcastGradientArgs", "BiasAddGrad",
                                "BiasAddGradV1", "SymbolicGradient"})
 
 
+@functools.lru_cache(maxsize=None)
 def is_gradient_op(op: str) -> bool:
     """Whether an op type is a gradient kernel (ReluGrad, Conv2DBackpropInput...)."""
     return (op in GRADIENT_OP_TYPES or op.endswith("Grad") or "Backprop" in op

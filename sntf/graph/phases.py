@@ -76,11 +76,12 @@ def _roles_of(g: GraphIndex, weights: list, readers: dict, feeding_updates: set
             reads_of[h] |= bit[f]
     # mask[n]: the candidates n descends from (data edges), in one topo sweep.
     mask = [0] * len(g.names)
+    producers = g.data_producers
     for n in g.topo:
-        m = 0
-        for p, _ in g.data_inputs[n]:
+        m = bit.get(n, 0)
+        for p in producers[n]:
             m |= mask[p]
-        mask[n] = m | bit.get(n, 0)
+        mask[n] = m
     backward = set()
     for f, (handles, inputs) in candidates.items():
         same_weight = 0

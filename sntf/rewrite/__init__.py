@@ -12,10 +12,11 @@ from typing import Optional
 
 from sntf.analysis import Analyzed, analyze_graph
 from sntf.rewrite.apply import RewriteResult, apply_plan, set_cache_limits
-from sntf.rewrite.fusions import keep_merges, merged_pairs
+from sntf.graph import updated_index
+from sntf.rewrite.fusions import keep_merges, kept_merges, merged_pairs
 from sntf.rewrite.sums import (PinnedSums, SumsOutcome, hold_after_planning,
                                hold_before_planning, pin_sums)
-from sntf.rewrite.validate import index_as, validate
+from sntf.rewrite.validate import validate
 
 __all__ = ["PinnedSums", "RewriteResult", "SumsOutcome", "apply_plan", "evaluator",
            "hold_after_planning", "hold_before_planning", "keep_merges", "pin_sums",
@@ -39,21 +40,22 @@ def evaluator(threads: Optional[int], onednn: bool = False):
     merged: dict = {}    # the last base graph's index and its merged pairs
 
     def evaluate(plan, base: Analyzed) -> Optional[Analyzed]:
-        result = apply_plan(base.graph_def, plan)
+        result = apply_plan(base.graph_def, plan, base.index)
         if not result.modified:
             return None
-        graph_def, index = result.graph_def, None
+        # Indexing a large graph takes longer than most of its analysis:
+        # the rewritten graph's index is the base's, updated where the
+        # rewrite changed it.
+        graph_def = result.graph_def
+        index = updated_index(base.index, graph_def, result.touched)
         if onednn:
             # The same base graph is evaluated with many plans (the budget
             # search): its merged pairs are found once.
             if merged.get("index") is not base.index:
                 merged.update(index=base.index, pairs=merged_pairs(base.index))
-            # Indexing a large graph is a tenth of a second: the index
-            # keep_merges reads is validate's too where it changes nothing.
-            index = index_as(graph_def, base.index)
-            kept = keep_merges(graph_def, base.index, merged["pairs"], index)
-            index = index if kept is graph_def else None
-            graph_def = kept
+            kept, gave = kept_merges(graph_def, base.index, merged["pairs"], index)
+            if kept is not graph_def:
+                graph_def, index = kept, updated_index(index, kept, gave)
         index = validate(graph_def, base.index, index)
         return analyze_graph(graph_def, index, base.props, base.facts.batch,
                              threads, onednn)

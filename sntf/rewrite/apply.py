@@ -21,14 +21,40 @@ class RewriteResult:
 
     graph_def: object
     modified: bool
+    # Names of the input graph's nodes whose inputs changed (new nodes
+    # come after the input graph's, which keep their positions).
+    touched: frozenset = frozenset()
 
 
-def apply_plan(graph_def, plan: planner.Plan) -> RewriteResult:
+class _Nodes:
+    """A GraphDef's nodes by name: those of its index by position (naming
+    every node of a large graph costs more than the rewrite), then those
+    added."""
+
+    def __init__(self, graph_def, index=None):
+        self._node = graph_def.node
+        self._at = index.index if index is not None else {
+            node.name: k for k, node in enumerate(graph_def.node)}
+        self._added: dict = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._added or name in self._at
+
+    def __getitem__(self, name: str):
+        node = self._added.get(name)
+        return node if node is not None else self._node[self._at[name]]
+
+    def __setitem__(self, name: str, node) -> None:
+        self._added[name] = node
+
+
+def apply_plan(graph_def, plan: planner.Plan, index=None) -> RewriteResult:
     """Applies a plan to a copy of `graph_def`.
 
     Args:
       graph_def: the input GraphDef (left untouched).
       plan: the plan to apply.
+      index: graph_def's GraphIndex, where the caller has it.
 
     Returns:
       A RewriteResult holding a new GraphDef.
@@ -45,17 +71,20 @@ def apply_plan(graph_def, plan: planner.Plan) -> RewriteResult:
         if d.action != planner.KEEP and d.tensor not in recipes[d.action]:
             raise ValueError(f"plan decides {d.action} for {d.tensor} but holds "
                              "no recipe for it")
-    nodes = {node.name: node for node in out.node}
+    nodes = _Nodes(out, index)
+    touched: set = set()
     groups = 0   # a running index keeps every clone's name unique
     for recipe in plan.recomputes:
-        _apply_recompute(out, nodes, recipe, groups)
+        _apply_recompute(out, nodes, recipe, groups, touched)
         groups += len(recipe.groups)
     for recipe in plan.swaps:
-        _apply_swap(out, nodes, recipe, plan.cache_budget)
+        _apply_swap(out, nodes, recipe, plan.cache_budget, touched)
     for order in plan.orders:
         _add_control_input(_node(nodes, order.after), _node(nodes, order.before))
+        touched.add(order.after)
     return RewriteResult(graph_def=out,
-                         modified=bool(plan.recomputes or plan.swaps or plan.orders))
+                         modified=bool(plan.recomputes or plan.swaps or plan.orders),
+                         touched=frozenset(touched))
 
 
 def _check_device(node, trigger, tensor: str) -> None:
@@ -76,7 +105,7 @@ def _check_device(node, trigger, tensor: str) -> None:
             f"released by {trigger.name!r} on {trigger.device}")
 
 
-def _apply_swap(out, nodes: dict, recipe: planner.Swap, cache_budget) -> None:
+def _apply_swap(out, nodes: dict, recipe: planner.Swap, cache_budget, touched: set) -> None:
     """Adds a swap-out after the producer and one swap-in per group, each
     released by its prefetch trigger, and rewires the group's readers.
 
@@ -94,6 +123,7 @@ def _apply_swap(out, nodes: dict, recipe: planner.Swap, cache_budget) -> None:
         swap_out.attr["uses"].i = len(recipe.groups)
     for reader in _waiting_readers(nodes, recipe, source):
         reader.input.append("^" + swap_out.name)
+        touched.add(reader.name)
     for j, group in enumerate(recipe.groups):
         _node(nodes, group.trigger)     # a missing trigger is a ValueError
         swap_in = _new_node(out, names.swap_in_name(producer, port, j),
@@ -105,6 +135,7 @@ def _apply_swap(out, nodes: dict, recipe: planner.Swap, cache_budget) -> None:
             _set_shape(swap_in.attr["shape"].shape, recipe.shape)
         for consumer, slot in group.consumers:
             _set_data_input(_node(nodes, consumer), slot, swap_in.name)
+            touched.add(consumer)
 
 
 def _waiting_readers(nodes: dict, recipe: planner.Swap, source) -> list:
@@ -153,7 +184,8 @@ def _new_node(out, name: str, op: str, inputs: list, device: str, dtype: int, ro
     return node
 
 
-def _apply_recompute(out, nodes: dict, recipe: planner.Recompute, first: int) -> None:
+def _apply_recompute(out, nodes: dict, recipe: planner.Recompute, first: int,
+                     touched: set) -> None:
     """Clones a recipe's chain once per group and rewires the group's readers."""
     producer, port = names.split_tensor(recipe.tensor)
     for j, group in enumerate(recipe.groups):
@@ -184,6 +216,7 @@ def _apply_recompute(out, nodes: dict, recipe: planner.Recompute, first: int) ->
         for consumer, slot in group.consumers:
             _set_data_input(_node(nodes, consumer), slot,
                             names.tensor_name(clones[producer], port))
+            touched.add(consumer)
 
 
 def _add_control_input(node, before) -> None:

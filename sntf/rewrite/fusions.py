@@ -43,22 +43,32 @@ def keep_merges(graph_def, before: GraphIndex, merged: Optional[frozenset] = Non
         Conv2D -> BiasAdd pair gained a control input (TensorFlow aborts on
         such a merge), or a node would have to wait for itself.
     """
+    return kept_merges(graph_def, before, merged, index)[0]
+
+
+def kept_merges(graph_def, before: GraphIndex, merged: Optional[frozenset] = None,
+                index: Optional[GraphIndex] = None) -> tuple:
+    """keep_merges, with the names of the nodes it gave control inputs:
+    (graph_def or a new GraphDef, names)."""
     if merged is None:
         merged = merged_pairs(before)
     if not merged:
-        return graph_def
+        return graph_def, frozenset()
     index = build_index(graph_def) if index is None else index
     pairs = [(index.names[p.first], index.names[p.second], p.strict)
              for p in merge_pairs(index)
              if _sources(index.names[p.first], index.names[p.second]) in merged]
     if not pairs:
-        return graph_def
+        return graph_def, frozenset()
     out = type(graph_def)()
     out.CopyFrom(graph_def)
-    nodes = {n.name: n for n in out.node}
-    changed = False
+    changed: set = set()
+
+    def node(name: str):
+        return out.node[index.index[name]]
+
     for first, second, strict in pairs:
-        a, b = _controls(nodes[first]), _controls(nodes[second])
+        a, b = _controls(node(first)), _controls(node(second))
         if a == b:
             continue
         if strict:
@@ -69,10 +79,10 @@ def keep_merges(graph_def, before: GraphIndex, merged: Optional[frozenset] = Non
         if first in b or second in a:
             raise GraphError(f"{first!r} and {second!r}, a pair oneDNN merges, "
                              "would have to wait for each other")
-        nodes[first].input.extend("^" + n for n in sorted(b - a))
-        nodes[second].input.extend("^" + n for n in sorted(a - b))
-        changed = True
-    return out if changed else graph_def
+        node(first).input.extend("^" + n for n in sorted(b - a))
+        node(second).input.extend("^" + n for n in sorted(a - b))
+        changed.update((first, second))
+    return (out, frozenset(changed)) if changed else (graph_def, frozenset())
 
 
 def _controls(node) -> frozenset:
