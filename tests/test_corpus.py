@@ -115,11 +115,12 @@ def test_a_budget_no_plan_meets_gets_no_plan_above_any_policys(name):
 
 
 def test_the_index_of_every_tried_plan_equals_a_full_build(monkeypatch):
-    """The evaluator updates the base graph's index where a rewrite changed
-    it (graph.updated_index) instead of indexing the rewritten graph anew:
-    every index it makes, oneDNN's merges kept included, must equal the
-    full build."""
+    """The evaluator, and the edges that hold sums in order, update the
+    index of the graph they change where they changed it
+    (graph.updated_index) instead of indexing the result anew: every index
+    they make, oneDNN's merges kept included, must equal the full build."""
     from sntf import graph, rewrite
+    from sntf.rewrite import sums
 
     made = []    # (the index updated, whether it was one made here)
 
@@ -131,7 +132,8 @@ def test_the_index_of_every_tried_plan_equals_a_full_build(monkeypatch):
         return got
 
     monkeypatch.setattr(rewrite, "updated_index", checked)
-    for name in ("zoo-allconv_swish", "family-unet"):
+    monkeypatch.setattr(sums, "updated_index", checked)
+    for name in ("zoo-allconv_swish", "family-unet", "zoo-gpt"):
         entry = corpus.load(os.path.join(FOLDER, name + ".json.gz"))
         for policy in ("swap+recompute", "auto"):
             corpus.replay(entry, corpus.config(policy))

@@ -22,6 +22,7 @@ import bisect
 import collections
 import dataclasses
 import functools
+import threading
 from typing import Callable, Optional
 
 MIN_ALLOCATION_BITS = 8
@@ -123,6 +124,14 @@ class BfcModel:
         self.reserved += region_size
         if not grew:
             self._region_bytes *= 2
+
+    def copy(self) -> "BfcModel":
+        """An independent copy of the allocator in its present state."""
+        other = BfcModel.__new__(BfcModel)
+        other.__dict__.update(self.__dict__)
+        other._chunks = {a: dataclasses.replace(c) for a, c in self._chunks.items()}
+        other._bins = [list(entries) for entries in self._bins]
+        return other
 
     # -- public
     @property
@@ -246,10 +255,9 @@ def simulate(buffer_bytes: dict, persistent, intervals: dict, end: int,
       OutOfMemory: under the limit; its step says where.
     """
     first = INITIAL_REGION_BYTES if grows or limit is None else limit
-    sim = BfcModel(initial_region_bytes=first, limit=limit)
-    # OutOfMemory.step stays -1 here: what exists before the step.
-    hold_outside(sim, outside)
-    held = {b: sim.allocate(buffer_bytes[b]) for b in sorted(persistent)}
+    kept = sorted(persistent)
+    sim, chunks = _before_step(first, limit, outside, tuple(buffer_bytes[b] for b in kept))
+    held = dict(zip(kept, chunks))
     allocs = collections.defaultdict(list)
     frees = collections.defaultdict(list)
     for b, (start, stop) in intervals.items():
@@ -266,6 +274,34 @@ def simulate(buffer_bytes: dict, persistent, intervals: dict, end: int,
         series = tuple(max(a, b) for a, b in zip(
             series, _run_step(sim, buffer_bytes, allocs, frees, end, held, handover)))
     return series
+
+
+# The allocator with what exists before a step allocated, for the last few
+# settings asked about: the plans tried on one graph share their variables.
+_BEFORE_SIZE = 4
+_before: collections.OrderedDict = collections.OrderedDict()
+_before_lock = threading.Lock()
+
+
+def _before_step(first: int, limit: Optional[int], outside: int, sizes: tuple) -> tuple:
+    """(a fresh allocator holding `outside` bytes, then the persistent
+    buffers of `sizes` in turn, their chunks): a copy of one made before
+    with the same settings. Raises OutOfMemory (step -1) where they do not
+    fit."""
+    key = (first, limit, outside, sizes)
+    with _before_lock:
+        made = _before.get(key)
+        if made is not None:
+            _before.move_to_end(key)
+    if made is None:
+        sim = BfcModel(initial_region_bytes=first, limit=limit)
+        hold_outside(sim, outside)
+        made = (sim, [sim.allocate(n) for n in sizes])
+        with _before_lock:
+            _before[key] = made
+            while len(_before) > _BEFORE_SIZE:
+                _before.popitem(last=False)
+    return made[0].copy(), made[1]
 
 
 def _run_step(sim: BfcModel, buffer_bytes: dict, allocs: dict, frees: dict, end: int,

@@ -23,18 +23,6 @@ PERSISTENT, ACTIVATION, GRADIENT, TEMPORARY = (
 TENSOR_CLASSES = (PERSISTENT, ACTIVATION, GRADIENT, TEMPORARY)
 
 
-@dataclasses.dataclass(frozen=True)
-class Timeline:
-    """Bytes live at every schedule step, total and per buffer class."""
-
-    steps: tuple[int, ...]            # node index run at each step
-    live_bytes: tuple[int, ...]       # while the step runs (inputs + outputs)
-    device_bytes: tuple[int, ...]     # what the allocator reports in use (chunks)
-    by_class: Mapping[str, tuple[int, ...]]
-    backward_start: Optional[int]     # first step of the backward pass
-    checkpoint_steps: tuple[int, ...]
-
-
 class Deferred:
     """A value computed when first read, its computation then dropped.
 
@@ -62,6 +50,49 @@ class Deferred:
 
 
 @dataclasses.dataclass(frozen=True)
+class Classes:
+    """What an analysis says by phase: each node's, each buffer's class, and
+    the bytes live per class."""
+
+    node_phases: tuple[str, ...]                                 # node -> phase
+    buffer_class: Mapping[tuple[int, int], str]                  # buffer -> class
+    live_bytes: tuple[int, ...]       # per step, while it runs (inputs + outputs)
+    by_class: Mapping[str, tuple[int, ...]]
+    backward_start: Optional[int]     # first step of the backward pass
+    checkpoint_steps: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """Bytes live at every schedule step, total and per buffer class (the
+    latter computed when first read: see Deferred)."""
+
+    steps: tuple[int, ...]            # node index run at each step
+    device_bytes: tuple[int, ...]     # what the allocator reports in use (chunks)
+    classes: Deferred                 # -> Classes
+
+    @property
+    def live_bytes(self) -> tuple[int, ...]:
+        """Bytes live while each step runs (its inputs and outputs)."""
+        return self.classes.get().live_bytes
+
+    @property
+    def by_class(self) -> Mapping[str, tuple[int, ...]]:
+        """Bytes live at each step per buffer class."""
+        return self.classes.get().by_class
+
+    @property
+    def backward_start(self) -> Optional[int]:
+        """The first step of the backward pass."""
+        return self.classes.get().backward_start
+
+    @property
+    def checkpoint_steps(self) -> tuple[int, ...]:
+        """The steps of the forward pass's checkpoint ops."""
+        return self.classes.get().checkpoint_steps
+
+
+@dataclasses.dataclass(frozen=True)
 class Analysis:
     """Everything the planner needs to know about one training graph.
 
@@ -71,9 +102,7 @@ class Analysis:
 
     batch: Optional[int]
     schedule: tuple[int, ...]                                    # step -> node
-    node_phases: tuple[str, ...]                                 # node -> phase
     buffer_bytes: Mapping[tuple[int, int], int]                  # buffer -> bytes
-    buffer_class: Mapping[tuple[int, int], str]                  # buffer -> class
     buffer_intervals: Mapping[tuple[int, int], tuple[int, int]]  # buffer -> (alloc, free) steps
     buffers: Mapping[tuple[int, int], tuple[int, int]]           # tensor -> its buffer
     persistent_bytes: int
@@ -104,6 +133,16 @@ class Analysis:
     # modelled on them (memory.with_outside): allocated first in the
     # allocator model, the timeline is then what the graph adds to them.
     outside_bytes: int = 0
+
+    @property
+    def node_phases(self) -> tuple[str, ...]:
+        """Per node, its phase (sntf.graph.phases)."""
+        return self.timeline.classes.get().node_phases
+
+    @property
+    def buffer_class(self) -> Mapping[tuple[int, int], str]:
+        """Per buffer, its class (TENSOR_CLASSES)."""
+        return self.timeline.classes.get().buffer_class
 
     @property
     def lower_bound_bytes(self) -> int:

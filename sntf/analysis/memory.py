@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import os
 from typing import Optional
 
 from sntf.analysis import bfc
+from sntf.analysis.phased import by_phase
 from sntf.analysis.costs import (DEFAULT_COST_MODEL, CostModel, has_workspace, op_seconds,
                                  workspace_bytes)
 from sntf.analysis.schedule import schedule
@@ -32,7 +32,6 @@ from sntf.analysis.shapes import (Properties, SymbolicSize, concrete,
 from sntf.graph import optable
 from sntf.graph.fusions import merged_kernels
 from sntf.graph.index import GraphIndex
-from sntf.graph.phases import BACKWARD, FORWARD, classify_phases
 from sntf.graph.training import handle_root
 
 from sntf.analysis.facts import (  # noqa: F401 (the module's public names)
@@ -62,38 +61,33 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
     if threads is None:
         threads = os.cpu_count() or 1
     order = schedule(g, merged=merged_kernels(g) if onednn else None)
-    phases = classify_phases(g)
     properties = resolve_symbolic_dims(g, properties)
     sizes, unknown = _sizes(g, properties, batch)
     live = _Liveness(g, order, properties, sizes)
     live.add_scratch(batch, threads, onednn)
-    klass = _classes(g, phases, live)
     end = len(order)
     intervals = live.intervals()
-    by_class, total = _class_series(live, klass, intervals, end)
     handover = live.handover()
     device = device_series(live.buffer_bytes, live.persistent, intervals, end, handover)
     peak_step = _peak_step(device)
     peak = device[peak_step] if end else live.persistent_bytes()
-    backward_steps = [s for s, i in enumerate(order) if phases[i] == BACKWARD]
-    timeline = Timeline(
-        steps=order, live_bytes=total, device_bytes=device, by_class=by_class,
-        backward_start=backward_steps[0] if backward_steps else None,
-        checkpoint_steps=tuple(s for s, i in enumerate(order)
-                               if optable.op_class(g.ops[i]) == optable.CHECKPOINT
-                               and phases[i] == FORWARD))
     buffer_bytes, buffers = live.release()
+    # The planner compares most graphs it analyzes by their peaks alone:
+    # what depends on phases, and the lower bound and op costs, wait until
+    # they are read.
+    timeline = Timeline(steps=order, device_bytes=device,
+                        classes=Deferred(lambda: by_phase(g, live, intervals)))
     return Analysis(
         device_timelines=_device_timelines(g, buffer_bytes, live.persistent,
                                            intervals, end, handover),
-        batch=batch, schedule=order, node_phases=phases,
-        buffer_bytes=buffer_bytes, buffer_class=klass,
+        batch=batch, schedule=order,
+        buffer_bytes=buffer_bytes,
         buffer_intervals=intervals, buffers=buffers,
         persistent_bytes=live.persistent_bytes(), timeline=timeline,
         predicted_peak_bytes=peak, peak_step=peak_step,
         costs=Deferred(lambda: _lower_bound_and_costs(live, batch, cost_model)),
         unknown_sizes=unknown,
-        variable_bytes=sum(live.buffer_bytes[b] for b in live.persistent
+        variable_bytes=sum(buffer_bytes[b] for b in live.persistent
                            if b[1] == VARIABLE_PORT),
         persistent_buffers=frozenset(live.persistent), handover=handover)
 
@@ -323,6 +317,7 @@ class _Liveness:
         bytes, tensor -> buffer) as plain dicts, which it keeps in their
         place, so that an analysis and this share them."""
         del self.step_of, self.last_use, self.buffer_free, self.buffer_alloc, self.fetched
+        self.tensors = self.owner.tensors        # buffer -> its tensors
         self.buffer_bytes, self.owner = dict(self.buffer_bytes), dict(self.owner)
         return self.buffer_bytes, self.owner
 
@@ -333,37 +328,6 @@ class _Liveness:
         """Buffer -> (allocating step, last step), persistent buffers aside."""
         return {b: (self.buffer_alloc[b], self.buffer_free.get(b, self.buffer_alloc[b]))
                 for b in self.buffer_bytes if b not in self.persistent}
-
-
-def _classes(g: GraphIndex, phases, live: _Liveness) -> dict:
-    """Buffer -> class. A buffer holding a forward tensor that the backward
-    pass reads is an activation (whichever tensor allocated it)."""
-    klass = {}
-    for b in live.buffer_bytes:
-        if b in live.persistent:
-            klass[b] = PERSISTENT
-        elif b[1] == SCRATCH_PORT:
-            klass[b] = TEMPORARY
-        else:
-            klass[b] = _buffer_class(g, phases, live.owner.tensors[b] or [b])
-    return klass
-
-
-def _class_series(live: _Liveness, klass: dict, intervals: dict, end: int):
-    """Bytes live per class and in all at each step (a buffer counts from its
-    allocating step through its last use)."""
-    persistent_bytes = live.persistent_bytes()
-    delta = {c: [0] * (end + 2) for c in TENSOR_CLASSES}
-    for b, (start, stop) in intervals.items():
-        c = klass[b]
-        delta[c][start] += live.buffer_bytes[b]
-        delta[c][min(stop, end) + 1] -= live.buffer_bytes[b]
-    by_class = {}
-    for c in TENSOR_CLASSES:
-        start = persistent_bytes if c == PERSISTENT else 0
-        by_class[c] = tuple(itertools.accumulate(delta[c][:end], initial=start))[1:]
-    total = tuple(map(sum, zip(*(by_class[c] for c in TENSOR_CLASSES))))
-    return by_class, total
 
 
 def _lower_bound_and_costs(live: _Liveness, batch: Optional[int],
@@ -485,12 +449,3 @@ def _device_timelines(g: GraphIndex, buffer_bytes: dict, persistent: set,
     return timelines
 
 
-def _buffer_class(g: GraphIndex, phases, tensors) -> str:
-    """Activation, gradient or temporary, from the tensors sharing a buffer."""
-    producers = {phases[t[0]] for t in tensors}
-    for t in tensors:
-        if phases[t[0]] == FORWARD and any(
-                phases[c] == BACKWARD
-                for c, _, port in g.consumers[t[0]] if port == t[1]):
-            return ACTIVATION
-    return GRADIENT if BACKWARD in producers else TEMPORARY

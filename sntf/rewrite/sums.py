@@ -15,9 +15,9 @@ from typing import Optional
 from sntf.analysis.schedule import schedule
 from sntf.graph import accumulations
 from sntf.graph.fusions import merged_kernels
-from sntf.graph.index import GraphError, GraphIndex
-from sntf.rewrite.fusions import keep_merges
-from sntf.rewrite.validate import index_as, validate
+from sntf.graph.index import GraphError, GraphIndex, updated_index
+from sntf.rewrite.fusions import kept_merges
+from sntf.rewrite.validate import validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,21 +65,21 @@ def pin_sums(graph_def, index: GraphIndex, original: GraphIndex, order,
         return PinnedSums(graph_def, index, (), tuple(lost))
     out = type(graph_def)()
     out.CopyFrom(graph_def)
-    nodes = {node.name: node for node in out.node}
     added = []
     for pin in pins:
-        after = nodes[pin.after]
+        after = out.node[index.index[pin.after]]
         control = "^" + pin.before
         producers = {text.split(":")[0] for text in after.input}
         if control in after.input or pin.before in producers:
             continue
         after.input.append(control)
         added.append(pin)
-    pinned = index_as(out, original)
+    # The index of the graph with the edges: index's, where they were added.
+    pinned = updated_index(index, out, {pin.after for pin in added})
     if onednn and added:
-        kept = keep_merges(out, original, index=pinned)
+        kept, gave = kept_merges(out, original, index=pinned)
         if kept is not out:
-            out, pinned = kept, index_as(kept, original)
+            out, pinned = kept, updated_index(pinned, kept, gave)
     pinned = validate(out, original, pinned)
     return PinnedSums(out, pinned, tuple(added), tuple(lost))
 
