@@ -61,7 +61,8 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
     if threads is None:
         threads = os.cpu_count() or 1
     order = schedule(g, merged=merged_kernels(g) if onednn else None)
-    properties = resolve_symbolic_dims(g, properties)
+    given = properties
+    properties = resolve_symbolic_dims(g, given)
     sizes, unknown = _sizes(g, properties, batch)
     live = _Liveness(g, order, properties, sizes)
     live.add_scratch(batch, threads, onednn)
@@ -85,7 +86,7 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
         buffer_intervals=intervals, buffers=buffers,
         persistent_bytes=live.persistent_bytes(), timeline=timeline,
         predicted_peak_bytes=peak, peak_step=peak_step,
-        costs=Deferred(lambda: _lower_bound_and_costs(live, batch, cost_model)),
+        costs=Deferred(lambda: _lower_bound_and_costs(live, given, batch, cost_model)),
         unknown_sizes=unknown,
         variable_bytes=sum(buffer_bytes[b] for b in live.persistent
                            if b[1] == VARIABLE_PORT),
@@ -146,13 +147,10 @@ class _Liveness:
         self.buffer_alloc: dict = {}   # buffer id -> step allocated
         self.persistent: set = set()
         # Per node, its output tensors; most nodes have one output.
-        outputs = properties.get
-        self.outputs_of = [[(i, 0)] if k == 1 else [(i, port) for port in range(k)]
-                           for i, k in enumerate(len(outputs(name, ())) for name in g.names)]
+        self.outputs_of = _outputs_of(g, properties)
         self.last_use = self._last_uses()
         self.fetched = self._fetched()
-        for s, i in enumerate(order):
-            self._run(s, i)
+        self._run_all()
         for t in self.fetched:
             b = self.owner.get(t)
             if b is not None:
@@ -199,35 +197,44 @@ class _Liveness:
             return
         if op in optable.FREE_OPS or self.sizes.get(t, 0) == 0:
             return
-        if op in optable.ALIAS_OPS and inputs and inputs[0] in owner:
-            owner[t] = owner[inputs[0]]
-        elif op in optable.ALIAS_OPS and op in optable.CONTROL_FLOW_OPS:
-            return      # a handle or an input carried into a frame or branch
-        elif op in optable.ALIAS_OPS and inputs and self._reads_variable(inputs[0][0]):
-            # A read of a variable is a view of the variable's buffer:
-            # persistent, and counted once however often it is read.
-            root = handle_root(self.g, inputs[0][0])
-            self._allocate(t, s, persistent=True, buffer=(root, VARIABLE_PORT))
-        elif op in optable.PERSISTENT_OPS:
+        if op in optable.ALIAS_OPS:
+            if inputs and inputs[0] in owner:
+                owner[t] = owner[inputs[0]]
+                return
+            if op in optable.CONTROL_FLOW_OPS:
+                return      # a handle or an input carried into a frame or branch
+            if inputs and self._reads_variable(inputs[0][0]):
+                # A read of a variable is a view of the variable's buffer:
+                # persistent, and counted once however often it is read.
+                root = handle_root(self.g, inputs[0][0])
+                self._allocate(t, s, persistent=True, buffer=(root, VARIABLE_PORT))
+                return
+        if op in optable.PERSISTENT_OPS:
             self._allocate(t, s, persistent=True)
+            return
+        reused = None
+        if op in optable.FORWARDING_OPS and t[1] == 0:
+            reused = self._forwardable_input(inputs, rounded(self.sizes[t]), s)
+        if reused is not None:
+            owner[t] = reused
         else:
-            reused = None
-            if op in optable.FORWARDING_OPS and t[1] == 0:
-                reused = self._forwardable_input(inputs, rounded(self.sizes[t]), s)
-            if reused is not None:
-                owner[t] = reused
-            else:
-                self._allocate(t, s)
+            self._allocate(t, s)
 
-    def _run(self, s: int, i: int) -> None:
-        outputs = self.outputs_of[i]
-        for t in outputs:
-            self._place(s, i, t)
-        # Extend the life of every buffer this op reads and writes (steps
-        # run in order: this one is the latest yet).
-        owner, free = self.owner, self.buffer_free
-        for tensors in (self.g.data_inputs[i], outputs):
-            for t in tensors:
+    def _run_all(self) -> None:
+        """Places every op's outputs, step by step, and extends the life of
+        every buffer an op reads and writes to its step (steps run in order:
+        each is the latest yet)."""
+        owner, free, place = self.owner, self.buffer_free, self._place
+        data_inputs, outputs_of = self.g.data_inputs, self.outputs_of
+        for s, i in enumerate(self.order):
+            outputs = outputs_of[i]
+            for t in outputs:
+                place(s, i, t)
+            for t in data_inputs[i]:
+                b = owner.get(t)
+                if b is not None:
+                    free[b] = s
+            for t in outputs:
                 b = owner.get(t)
                 if b is not None:
                     free[b] = s
@@ -270,11 +277,10 @@ class _Liveness:
         return None
 
     def input_shapes(self, i: int) -> list:
-        return [shape_of(self.properties, self.g, t) for t in self.g.data_inputs[i]]
+        return _input_shapes(self.g, self.properties, i)
 
     def itemsize(self, i: int) -> int:
-        outs = self.properties.get(self.g.names[i])
-        return optable.DTYPE_BYTES.get(outs[0][0], 4) if outs else 4
+        return _itemsize(self.g, self.properties, i)
 
     def add_scratch(self, batch: Optional[int], threads: int, onednn: bool) -> None:
         """Scratch buffers: live only while their op runs."""
@@ -312,11 +318,13 @@ class _Liveness:
         return found
 
     def release(self) -> tuple[dict, dict]:
-        """Drops what only the timeline needs: the lower bound and the op
-        costs, computed when first read, need the rest. Returns (buffer ->
-        bytes, tensor -> buffer) as plain dicts, which it keeps in their
-        place, so that an analysis and this share them."""
+        """Drops what only the timeline needs, and the shapes and sizes
+        (the lower bound and the op costs, computed when first read, find
+        them again): what an analysis keeps for them is its buffers.
+        Returns (buffer -> bytes, tensor -> buffer) as plain dicts, which
+        it keeps in their place, so that an analysis and this share them."""
         del self.step_of, self.last_use, self.buffer_free, self.buffer_alloc, self.fetched
+        del self.properties, self.sizes, self.outputs_of
         self.tensors = self.owner.tensors        # buffer -> its tensors
         self.buffer_bytes, self.owner = dict(self.buffer_bytes), dict(self.owner)
         return self.buffer_bytes, self.owner
@@ -330,28 +338,48 @@ class _Liveness:
                 for b in self.buffer_bytes if b not in self.persistent}
 
 
-def _lower_bound_and_costs(live: _Liveness, batch: Optional[int],
-                           cost_model: CostModel) -> tuple[int, int, list]:
+def _outputs_of(g: GraphIndex, properties) -> list:
+    """Per node, its output tensors (most nodes have one)."""
+    outputs = properties.get
+    return [[(i, 0)] if k == 1 else [(i, port) for port in range(k)]
+            for i, k in enumerate(len(outputs(name, ())) for name in g.names)]
+
+
+def _input_shapes(g: GraphIndex, properties, i: int) -> list:
+    return [shape_of(properties, g, t) for t in g.data_inputs[i]]
+
+
+def _itemsize(g: GraphIndex, properties, i: int) -> int:
+    outs = properties.get(g.names[i])
+    return optable.DTYPE_BYTES.get(outs[0][0], 4) if outs else 4
+
+
+def _lower_bound_and_costs(live: _Liveness, given, batch: Optional[int],
+                           cost_model: CostModel) -> tuple[int, int, tuple]:
     """The largest single-op working set plus persistent bytes (the lower
-    bound, and its step), and every step's estimated seconds."""
-    g, owner, sizes, persistent = live.g, live.owner, live.sizes, live.persistent
+    bound, and its step), and every step's estimated seconds, for a
+    released liveness whose shapes came from `given` properties."""
+    g, owner, persistent = live.g, live.owner, live.persistent
+    properties = resolve_symbolic_dims(g, given)
+    sizes, _ = _sizes(g, properties, batch)
+    outputs_of = _outputs_of(g, properties)
     persistent_bytes = live.persistent_bytes()
     lower, lower_step = persistent_bytes, 0
     seconds = []
     for s, i in enumerate(live.order):
         ins = [sizes.get(t, 0) for t in g.data_inputs[i]
                if owner.get(t) is not None and owner.get(t) not in persistent]
-        outs = [sizes.get(t, 0) for t in live.outputs_of[i]
+        outs = [sizes.get(t, 0) for t in outputs_of[i]
                 if owner.get(t) is not None and owner.get(t) not in persistent]
         # Distinct buffers: a view or a forwarded output shares its input's.
-        touched = {owner[t] for t in list(g.data_inputs[i]) + live.outputs_of[i]
+        touched = {owner[t] for t in list(g.data_inputs[i]) + outputs_of[i]
                    if owner.get(t) is not None and owner[t] not in persistent}
         touched.add((i, SCRATCH_PORT))
         work = persistent_bytes + sum(live.buffer_bytes.get(b, 0) for b in touched)
         if work > lower:
             lower, lower_step = work, s
-        seconds.append(op_seconds(g.ops[i], ins, outs, live.input_shapes(i), batch,
-                                  cost_model, itemsize=live.itemsize(i)))
+        seconds.append(op_seconds(g.ops[i], ins, outs, _input_shapes(g, properties, i),
+                                  batch, cost_model, itemsize=_itemsize(g, properties, i)))
     return lower, lower_step, tuple(seconds)
 
 

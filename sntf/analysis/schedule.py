@@ -41,8 +41,7 @@ def schedule(g: GraphIndex, consumers_last_first: bool = False,
     """
     n = len(g.names)
     back_edge = {i for i in range(n) if g.ops[i] in optable.NEXT_ITERATION_OPS}
-    pending = [sum(1 for p in preds if p not in back_edge) if back_edge else len(preds)
-               for preds in g.producers]
+    pending = _inputs_to_wait_for(g, back_edge)
     pool = collections.deque(i for i in range(n) if pending[i] == 0)
     merged = merged or {}
     absorber = {second: first for first, second in merged.items()}
@@ -95,6 +94,18 @@ def _out_edges(g: GraphIndex, last_first: bool) -> list:
     """Each node's out-edges in the order of the executor's out-edge lists:
     data consumers in graph order (or last-added first), then control
     consumers."""
-    if last_first:
-        return [d[::-1] + c for d, c in zip(g.data_readers, g.control_consumers)]
-    return g.readers
+    # Made for each call, not kept on the index: most graphs the planner
+    # tries are scheduled once.
+    step = -1 if last_first else 1
+    return [tuple(c for c, _, _ in d[::step]) + cc
+            for d, cc in zip(g.consumers, g.control_consumers)]
+
+
+def _inputs_to_wait_for(g: GraphIndex, back_edge: set) -> list:
+    """Per node, how many of its input edges it waits for: all but those
+    from NextIteration ops (a loop's back edges)."""
+    if back_edge:
+        return [sum(1 for p, _ in d if p not in back_edge)
+                + sum(1 for p in c if p not in back_edge)
+                for d, c in zip(g.data_inputs, g.control_inputs)]
+    return [len(d) + len(c) for d, c in zip(g.data_inputs, g.control_inputs)]
