@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import operator
 from typing import Mapping, Optional
 
 from sntf.graph import optable
@@ -96,8 +97,8 @@ def _out_edges(g: GraphIndex, last_first: bool) -> list:
     consumers."""
     # Made for each call, not kept on the index: most graphs the planner
     # tries are scheduled once.
-    step = -1 if last_first else 1
-    return [tuple(c for c, _, _ in d[::step]) + cc
+    step, first = -1 if last_first else 1, operator.itemgetter(0)
+    return [tuple(map(first, d[::step])) + cc if d else cc
             for d, cc in zip(g.consumers, g.control_consumers)]
 
 

@@ -311,8 +311,7 @@ def _sunk(links: _Links, order: list, begin: int, at: int) -> Optional[list]:
     depends on it, moved past `at`, as late as their readers allow (just
     before the first of them); None if that takes the op at `at` along."""
     after = links.after.__getitem__
-    window = {node: s for s, node in enumerate(order[begin:at + 1], begin)}
-    block = _closure(order[begin], window, after)
+    block = _closure(order[begin], set(order[begin:at + 1]), after)
     if order[at] in block:
         return None
     step = {node: s for s, node in enumerate(order[at + 1:], at + 1)}
@@ -327,8 +326,7 @@ def _hoisted(links: _Links, order: list, at: int, end: int) -> Optional[list]:
     """`order` with the op at `end`, and every op from step `at` on that it
     depends on, moved to just before `at`; None if that takes the op at
     `at` along."""
-    window = {node: s for s, node in enumerate(order[at:end + 1], at)}
-    block = _closure(order[end], window, links.before.__getitem__)
+    block = _closure(order[end], set(order[at:end + 1]), links.before.__getitem__)
     if order[at] in block:
         return None
     segment = order[at:end + 1]
@@ -336,7 +334,7 @@ def _hoisted(links: _Links, order: list, at: int, end: int) -> Optional[list]:
             + [n for n in segment if n not in block] + order[end + 1:])
 
 
-def _closure(node: int, window: dict, neighbours) -> set:
+def _closure(node: int, window: set, neighbours) -> set:
     """`node` and the nodes in `window` reachable from it through
     `neighbours`."""
     block, todo = {node}, [node]
