@@ -483,6 +483,26 @@ def test_detect_prefers_the_variable_with_most_readers():
         updated_variables=2)
 
 
+def test_detect_finds_the_weight_behind_thousands_of_busier_variables():
+    # A deep network's optimizer slots and normalization statistics can
+    # outnumber the weights and have more readers: 5,000 state variables,
+    # each read twice and updated from its own reads, come before W (read
+    # once) in the order detection examines them; W is still found.
+    b = graphs.GraphBuilder()
+    b._graph.CopyFrom(graphs.train_mlp())
+    for k in range(5000):
+        h = f"state{k}/resource"
+        (b.arg(h, graphs.DT_RESOURCE)
+         .read(f"state{k}/read", h).read(f"state{k}/read_1", h)
+         .op("AddV2", f"state{k}/add", [f"state{k}/read", f"state{k}/read_1"],
+             T=graphs.DT_FLOAT)
+         .op("AssignVariableOp", f"state{k}/assign", [h, f"state{k}/add"],
+             dtype=graphs.DT_FLOAT))
+    info = detect(b.build())
+    assert (info.training, info.trained_variables, info.updated_variables) == (
+        True, (graphs.W_HANDLE,), 5001)
+
+
 def test_detect_first_layer_alone():
     # Without W2's updates, W1 is found through dW1 = x^T ReluGrad(dh W2^T).
     gd = graphs.train_mlp2_weight_decay()

@@ -32,10 +32,6 @@ from typing import Optional, Sequence
 from sntf.graph import optable
 from sntf.graph.index import GraphIndex, ancestors, descendants, memoized
 
-# Upper bound on variables examined by training detection, so that the pass
-# stays fast on graphs with thousands of variables; the first few trained
-# variables are found long before this.
-MAX_VARIABLES_EXAMINED = 4096
 # Ops that read a resource variable's value at input 0: where the variables
 # that no op writes (the weights of a gradient-accumulation step) are found.
 _VALUE_READ_OPS = frozenset({optable.READ_VARIABLE_OP, "ResourceGather",
@@ -283,7 +279,7 @@ def _gradient_writes(g: GraphIndex) -> GradientWrites:
     found = {}
     candidates = sorted((h for h in users_of if h not in written and users_of[h]),
                         key=lambda h: (-len(readers[h]), h))
-    for root in candidates[:MAX_VARIABLES_EXAMINED]:
+    for root in candidates:
         for f, acts in users_of[root]:
             gop = next((c for x in sorted(acts) for c, _, _ in g.consumers[x]
                         if c != f and c in backward and mask[c] & bit[f]), None)
@@ -318,9 +314,12 @@ def detect_training(g: GraphIndex) -> TrainingInfo:
     feeding = ancestors(g, [u for us in updates.values() for u in us],
                         control=False, state=True)
     # Variables with the most readers first: model weights, not counters.
+    # Every one is examined where need be (each costs the ops near it): in a
+    # deep network the optimizer's slots and the normalizations' statistics
+    # can outnumber and out-read the weights.
     candidates = sorted((h for h in updates if readers[h]),
                         key=lambda h: (-len(readers[h]), h))
-    for handle in candidates[:MAX_VARIABLES_EXAMINED]:
+    for handle in candidates:
         gop = _gradient_of(g, handle, readers[handle], feeding)
         if gop is not None:
             return TrainingInfo(

@@ -311,8 +311,8 @@ def _sunk(links: _Links, order: list, begin: int, at: int) -> Optional[list]:
     depends on it, moved past `at`, as late as their readers allow (just
     before the first of them); None if that takes the op at `at` along."""
     after = links.after.__getitem__
-    block = _closure(order[begin], set(order[begin:at + 1]), after)
-    if order[at] in block:
+    block = _closure(order[begin], set(order[begin:at + 1]), after, order[at])
+    if block is None:
         return None
     step = {node: s for s, node in enumerate(order[at + 1:], at + 1)}
     until = min((step[c] for n in block for c in after(n) if c in step),
@@ -326,21 +326,25 @@ def _hoisted(links: _Links, order: list, at: int, end: int) -> Optional[list]:
     """`order` with the op at `end`, and every op from step `at` on that it
     depends on, moved to just before `at`; None if that takes the op at
     `at` along."""
-    block = _closure(order[end], set(order[at:end + 1]), links.before.__getitem__)
-    if order[at] in block:
+    block = _closure(order[end], set(order[at:end + 1]), links.before.__getitem__, order[at])
+    if block is None:
         return None
     segment = order[at:end + 1]
     return (order[:at] + [n for n in segment if n in block]
             + [n for n in segment if n not in block] + order[end + 1:])
 
 
-def _closure(node: int, window: set, neighbours) -> set:
+def _closure(node: int, window: set, neighbours, stop: int) -> Optional[set]:
     """`node` and the nodes in `window` reachable from it through
-    `neighbours`."""
+    `neighbours`; None as soon as `stop` is among them."""
+    if node == stop:
+        return None
     block, todo = {node}, [node]
     while todo:
         for other in neighbours(todo.pop()):
             if other in window and other not in block:
+                if other == stop:
+                    return None
                 block.add(other)
                 todo.append(other)
     return block
