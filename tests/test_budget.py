@@ -62,6 +62,29 @@ def test_greedy_reports_the_least_peak_when_nothing_fits():
     assert not choice.fits and choice.peak == 80 and len(choice.options) == 2
 
 
+def _crowded(base, crowding):
+    """Peak = base - the bytes saved, plus `crowding` per option past the
+    fourth: the later swaps' returns crowd the backward pass."""
+    return lambda selection: (base - sum(o.bytes_saved for o in selection)
+                              + crowding * max(0, len(selection) - 4))
+
+
+def test_greedy_goes_on_from_a_prefix_where_every_option_together_does_not_fit():
+    options = [_option(u, planner.SWAP, 10, float(k + 1)) for k, u in enumerate("abcdefgh")]
+    # Every option: 100 - 80 + 4 * 15 = 80; the first four: 60, which fits 65.
+    choice = budget.greedy(options, _crowded(100, 15), 65, small_graph=False)
+    assert choice.fits and choice.peak == 60
+    assert sorted(o.unit for o in choice.options) == list("abcd")
+
+
+def test_greedy_unmet_returns_the_lowest_prefix_it_planned_not_the_whole():
+    options = [_option(u, planner.SWAP, 10, float(k + 1)) for k, u in enumerate("abcdefgh")]
+    whole = _crowded(100, 15)(tuple(options))
+    choice = budget.greedy(options, _crowded(100, 15), 50, small_graph=False)
+    assert not choice.fits and choice.peak == 60 < whole
+    assert len(choice.options) == 4
+
+
 def test_greedy_drops_options_that_later_ones_made_unnecessary():
     # Ranked by bytes per second: a (10 B/s), then big (9 B/s). The prefix
     # that fits holds both, but big alone fits and costs less than both.

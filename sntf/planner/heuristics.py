@@ -73,6 +73,11 @@ SEQUENCE_RISE_SHARE = 0.05
 # (milliseconds per planned peak), so their local search may spend this
 # many times its evaluations.
 SMALL_GRAPH_SEARCH = 40
+# Where every option together plans above the budget, the search plans this
+# many prefixes of its ranked options, evenly spaced (the whole included):
+# a swap's return can crowd the backward pass, so a prefix may plan lower
+# than the whole, and fit where the whole does not.
+UNMET_PREFIXES = 8
 # A graph is searched as small only up to this many nodes: the small-graph
 # search evaluates up to thousands of plans, and a plan's analysis grows
 # with the graph. A node count, never a measured time, so that the same

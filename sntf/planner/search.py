@@ -25,7 +25,7 @@ import dataclasses
 import itertools
 from typing import Callable, Iterable, Optional, Sequence
 
-from sntf.planner.heuristics import SMALL_GRAPH_SEARCH
+from sntf.planner.heuristics import SMALL_GRAPH_SEARCH, UNMET_PREFIXES
 
 # Ranks a free option (fully hidden transfer) ahead of every costed one
 # without dividing by zero; among free options more bytes come first.
@@ -146,17 +146,21 @@ def greedy(options: Iterable[Option], peak_of: PeakFn, budget: int,
         each takes milliseconds.
 
     Returns:
-      The Choice. When even every option together does not fit, that full
-      selection comes back with fits=False: the least planned peak found.
+      The Choice. Where every option together does not fit, the search
+      goes on from the lowest of a few prefixes of the ranked options if
+      one fits; else that prefix comes back with fits=False: the least
+      planned peak found.
     """
     options = [o for o in options if o.bytes_saved > 0]
     peak = _Counted(peak_of)
     if peak(()) <= budget:
         return Choice((), peak(()), True, peak.count)
     order = ranked(options)
-    full = peak(order)
-    if full > budget:
-        return Choice(tuple(order), full, False, peak.count)
+    if peak(order) > budget:
+        lowest = _lowest_prefix(order, peak)
+        if peak(lowest) > budget:
+            return Choice(tuple(lowest), peak(lowest), False, peak.count)
+        order = lowest      # a prefix fits where the whole does not
     if len(options) > measure_limit or not small_graph:
         chosen = _shortest_prefix(order, peak, budget)
         chosen = _improve(chosen, options, peak, budget, peak.count + refine_evaluations)
@@ -193,6 +197,15 @@ def _starts(options: list, peak: _Counted, budget: int):
 
 def _cost(selection) -> float:
     return sum(o.seconds for o in selection)
+
+
+def _lowest_prefix(order: list, peak: _Counted) -> list:
+    """Of UNMET_PREFIXES prefixes of `order` at evenly spaced lengths (the
+    whole included), the one planned lowest; the shortest of those tied."""
+    n = len(order)
+    lengths = sorted({max(1, -(-n * k // UNMET_PREFIXES))
+                      for k in range(1, UNMET_PREFIXES + 1)})
+    return min((list(order[:k]) for k in lengths), key=lambda s: (peak(s), len(s)))
 
 
 def _shortest_prefix(order: list, peak: _Counted, budget: int) -> list:
