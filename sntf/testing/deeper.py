@@ -47,8 +47,10 @@ from typing import Any, Callable, Optional, TextIO
 from sntf.testing.workers import measure_peak
 
 MIB = float(1 << 20)
-# What a worker prints when a step needs more than the hard limit.
-OUT_OF_MEMORY = "ResourceExhaustedError"
+# What a worker prints when a step needs more than the hard limit: the
+# error's class, or, where the error's text is all that is left of a long
+# traceback, TensorFlow's message.
+OUT_OF_MEMORY = ("ResourceExhaustedError", "OOM when allocating tensor")
 
 @dataclasses.dataclass
 class Trial:
@@ -203,7 +205,8 @@ def make_fits(family: str, batch: int, steps: int, budget_bytes: int,
             record["reason"] = f"timed out after {timeout:g} s"
         except RuntimeError as e:
             record["error"] = str(e)
-            record["reason"] = ("out of memory" if hard_limit and OUT_OF_MEMORY in str(e)
+            ran_out = hard_limit and any(m in str(e) for m in OUT_OF_MEMORY)
+            record["reason"] = ("out of memory" if ran_out
                                 else "failed: " + _error_line(str(e)))
         else:
             record["result"] = result
