@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 import time
 
@@ -92,6 +93,9 @@ def main() -> None:
     parser.add_argument("--pool", action="store_true")
     parser.add_argument("--profile", default="", help="write the pass's cProfile here")
     args = parser.parse_args()
+    # Keras builds and traces a functional model recursively, layer by
+    # layer: a 1,000-block network goes deeper than Python's default limit.
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 50 * args.size + 1000))
     import numpy as np
     import tensorflow as tf
 
