@@ -113,14 +113,20 @@ def test_parse_input(text, expected):
 # build_index
 # --------------------------------------------------------------------------
 
+def _edges_graph():
+    """a (two outputs), b, c; m reads a:1, b and a, and waits for c; n
+    reads m and waits for c and m."""
+    return (graphs.GraphBuilder()
+            .op("Split", "a", [], num_split=2)
+            .const("b", 1.0)
+            .op("NoOp", "c")
+            .op("AddN", "m", ["a:1", "^c", "b", "a"], N=3)
+            .op("Identity", "n", ["m", "^c", "^m"])
+            .build())
+
+
 def test_index_edges_slots_and_ports():
-    gd = (graphs.GraphBuilder()
-          .op("Split", "a", [], num_split=2)
-          .const("b", 1.0)
-          .op("NoOp", "c")
-          .op("AddN", "m", ["a:1", "^c", "b", "a"], N=3)
-          .op("Identity", "n", ["m", "^c", "^m"])
-          .build())
+    gd = _edges_graph()
     g = index_of(gd)
     a, b, c, m, n = range(5)
     assert len(g) == 5
@@ -193,13 +199,7 @@ def test_missing_input_raises(family):
 
 
 def test_updated_index_equals_a_full_build_after_appending_and_rewiring():
-    gd = (graphs.GraphBuilder()
-          .op("Split", "a", [], num_split=2)
-          .const("b", 1.0)
-          .op("NoOp", "c")
-          .op("AddN", "m", ["a:1", "^c", "b", "a"], N=3)
-          .op("Identity", "n", ["m", "^c", "^m"])
-          .build())
+    gd = _edges_graph()
     before = index_of(gd, fetch=["n"], preserve=["c"])
     after = type(gd)()
     after.CopyFrom(gd)

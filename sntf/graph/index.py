@@ -152,20 +152,13 @@ def build_index(graph_def, fetch: Iterable[str] = (),
     consumers = [[] for _ in range(n)]
     control_consumers = [[] for _ in range(n)]
     for i, node in enumerate(nodes):
-        data, control = [], []
-        for text in node.input:
-            name, port, is_control = parse_input(text)
-            producer = index.get(name)
-            if producer is None:
-                raise GraphError(f"node {node.name!r} reads missing node {name!r}")
-            if is_control:
-                control.append(producer)
-                control_consumers[producer].append(i)
-            else:
-                consumers[producer].append((i, len(data), port))
-                data.append((producer, port))
-        data_inputs.append(tuple(data))
-        control_inputs.append(tuple(control))
+        data, control = _parsed_inputs(node, index)
+        for slot, (producer, port) in enumerate(data):
+            consumers[producer].append((i, slot, port))
+        for producer in control:
+            control_consumers[producer].append(i)
+        data_inputs.append(data)
+        control_inputs.append(control)
     ops = tuple(node.op for node in nodes)
     topo, has_cycles = _topological_order(ops, data_inputs, control_inputs,
                                           consumers, control_consumers)
