@@ -26,8 +26,9 @@ TENSOR_CLASSES = (PERSISTENT, ACTIVATION, GRADIENT, TEMPORARY)
 class Deferred:
     """A value computed when first read, its computation then dropped.
 
-    A planner tries many rewritten graphs and reads the lower bound and the
-    op costs of only those it builds on; the analysis of the others skips
+    A planner tries many rewritten graphs and compares most by their peaks
+    alone; it reads the phases, buffer classes, lower bound and op costs of
+    only those it builds on, and the analysis of the others never computes
     them. Equal to any other Deferred, so that analyses compare by what
     they hold."""
 

@@ -23,9 +23,9 @@ import os
 from typing import Optional
 
 from sntf.analysis import bfc
-from sntf.analysis.phased import by_phase
 from sntf.analysis.costs import (DEFAULT_COST_MODEL, CostModel, has_workspace, op_seconds,
                                  workspace_bytes)
+from sntf.analysis.phased import by_phase
 from sntf.analysis.schedule import schedule
 from sntf.analysis.shapes import (Properties, SymbolicSize, concrete,
                                   resolve_symbolic_dims, rounded, shape_of, tensor_size)
