@@ -7,7 +7,7 @@ import operator
 from typing import Mapping, Optional
 
 from sntf.graph import optable
-from sntf.graph.index import GraphIndex
+from sntf.graph.index import GraphIndex, back_edges, inputs_waited_for
 
 
 def schedule(g: GraphIndex, consumers_last_first: bool = False,
@@ -41,8 +41,8 @@ def schedule(g: GraphIndex, consumers_last_first: bool = False,
       Node indices in execution order (all nodes; cycles broken in index order).
     """
     n = len(g.names)
-    back_edge = {i for i in range(n) if g.ops[i] in optable.NEXT_ITERATION_OPS}
-    pending = _inputs_to_wait_for(g, back_edge)
+    back_edge = back_edges(g.ops)
+    pending = inputs_waited_for(g.data_inputs, g.control_inputs, back_edge)
     pool = collections.deque(i for i in range(n) if pending[i] == 0)
     merged = merged or {}
     absorber = {second: first for first, second in merged.items()}
@@ -100,13 +100,3 @@ def _out_edges(g: GraphIndex, last_first: bool) -> list:
     step, first = -1 if last_first else 1, operator.itemgetter(0)
     return [tuple(map(first, d[::step])) + cc if d else cc
             for d, cc in zip(g.consumers, g.control_consumers)]
-
-
-def _inputs_to_wait_for(g: GraphIndex, back_edge: set) -> list:
-    """Per node, how many of its input edges it waits for: all but those
-    from NextIteration ops (a loop's back edges)."""
-    if back_edge:
-        return [sum(1 for p, _ in d if p not in back_edge)
-                + sum(1 for p in c if p not in back_edge)
-                for d, c in zip(g.data_inputs, g.control_inputs)]
-    return [len(d) + len(c) for d, c in zip(g.data_inputs, g.control_inputs)]

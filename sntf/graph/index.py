@@ -270,17 +270,27 @@ def _frame_name(node) -> str:
     return node.attr["frame_name"].s.decode("utf-8", "replace")
 
 
+def back_edges(ops) -> set:
+    """The nodes whose out-edges are a loop's back edges (NextIteration)."""
+    return {i for i, op in enumerate(ops) if op in optable.NEXT_ITERATION_OPS}
+
+
+def inputs_waited_for(data_inputs, control_inputs, back_edge: set) -> list:
+    """Per node, how many of its input edges it waits for: all but those
+    from `back_edge` nodes (back_edges)."""
+    if back_edge:
+        return [sum(1 for p, _ in d if p not in back_edge)
+                + sum(1 for p in c if p not in back_edge)
+                for d, c in zip(data_inputs, control_inputs)]
+    return [len(d) + len(c) for d, c in zip(data_inputs, control_inputs)]
+
+
 def _topological_order(ops, data_inputs, control_inputs, consumers,
                        control_consumers) -> tuple[list[int], bool]:
     """Kahn's algorithm, lowest index first among ready nodes (stable)."""
     n = len(ops)
-    back_edge_sources = {i for i in range(n) if ops[i] in optable.NEXT_ITERATION_OPS}
-    if back_edge_sources:
-        indegree = [sum(1 for p, _ in d if p not in back_edge_sources)
-                    + sum(1 for p in c if p not in back_edge_sources)
-                    for d, c in zip(data_inputs, control_inputs)]
-    else:
-        indegree = [len(d) + len(c) for d, c in zip(data_inputs, control_inputs)]
+    back_edge_sources = back_edges(ops)
+    indegree = inputs_waited_for(data_inputs, control_inputs, back_edge_sources)
     ready = [i for i in range(n) if indegree[i] == 0]
     heapq.heapify(ready)
     order = []

@@ -105,7 +105,7 @@ def _check_device(node, trigger, tensor: str) -> None:
             f"released by {trigger.name!r} on {trigger.device}")
 
 
-def _apply_swap(out, nodes: dict, recipe: planner.Swap, cache_budget, touched: set) -> None:
+def _apply_swap(out, nodes: _Nodes, recipe: planner.Swap, cache_budget, touched: set) -> None:
     """Adds a swap-out after the producer and one swap-in per group, each
     released by its prefetch trigger, and rewires the group's readers.
 
@@ -138,7 +138,7 @@ def _apply_swap(out, nodes: dict, recipe: planner.Swap, cache_budget, touched: s
             touched.add(consumer)
 
 
-def _waiting_readers(nodes: dict, recipe: planner.Swap, source) -> list:
+def _waiting_readers(nodes: _Nodes, recipe: planner.Swap, source) -> list:
     """The forward readers that wait for the tensor's swap-out.
 
     On a CPU the swap-out copies on the executor's thread, and left alone
@@ -184,7 +184,7 @@ def _new_node(out, name: str, op: str, inputs: list, device: str, dtype: int, ro
     return node
 
 
-def _apply_recompute(out, nodes: dict, recipe: planner.Recompute, first: int,
+def _apply_recompute(out, nodes: _Nodes, recipe: planner.Recompute, first: int,
                      touched: set) -> None:
     """Clones a recipe's chain once per group and rewires the group's readers."""
     producer, port = names.split_tensor(recipe.tensor)
@@ -226,7 +226,7 @@ def _add_control_input(node, before) -> None:
         node.input.append("^" + before.name)
 
 
-def _node(nodes: dict, name: str):
+def _node(nodes: _Nodes, name: str):
     if name not in nodes:
         raise ValueError(f"plan names node {name!r}, which the graph does not have")
     return nodes[name]

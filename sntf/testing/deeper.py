@@ -44,10 +44,9 @@ import sys
 import time
 from typing import Any, Callable, Optional, TextIO
 
-from sntf.testing.deeper_tables import result_table, trials_table  # noqa: F401
+from sntf.testing.deeper_tables import MIB, result_table, trials_table  # noqa: F401
 from sntf.testing.workers import measure_peak
 
-MIB = float(1 << 20)
 # What a worker prints when a step needs more than the hard limit: the
 # error's class, or, where the error's text is all that is left of a long
 # traceback, TensorFlow's message.
