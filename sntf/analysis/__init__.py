@@ -9,7 +9,8 @@ set of a single op.
     shapes    sizes with a symbolic batch dimension
     schedule  the executor's order
     costs     op times and scratch memory
-    memory    liveness, the timeline, the predicted peak and the lower bound
+    liveness  which buffer each tensor lives in, and from when to when
+    memory    the timeline, the predicted peak and the lower bound
     facts     the Analysis it returns
     bfc       a model of TensorFlow's BFC allocator
 """
@@ -23,7 +24,7 @@ from sntf.analysis.costs import (DEFAULT_COST_MODEL, CostModel, op_seconds,
                                  workspace_bytes)
 from sntf.analysis.memory import (ACTIVATION, GRADIENT, PERSISTENT, SCRATCH_PORT,
                                   TEMPORARY, TENSOR_CLASSES, VARIABLE_PORT, Analysis,
-                                  Timeline, analyze, with_outside)
+                                  Sized, Timeline, analyze, sized, with_outside)
 from sntf.analysis.schedule import schedule
 from sntf.analysis.shapes import (Properties, SymbolicSize, decode_properties,
                                   has_unknown_dims, resolve_symbolic_dims, rounded,
@@ -32,10 +33,10 @@ from sntf.graph.index import GraphIndex
 
 __all__ = [
     "ACTIVATION", "Analysis", "Analyzed", "CostModel", "DEFAULT_COST_MODEL",
-    "GRADIENT", "PERSISTENT", "Properties", "SCRATCH_PORT", "SymbolicSize",
+    "GRADIENT", "PERSISTENT", "Properties", "SCRATCH_PORT", "Sized", "SymbolicSize",
     "TEMPORARY", "TENSOR_CLASSES", "Timeline", "VARIABLE_PORT", "analyze",
     "analyze_graph", "decode_properties", "has_unknown_dims", "op_seconds",
-    "resolve_symbolic_dims", "rounded", "schedule", "tensor_size",
+    "resolve_symbolic_dims", "rounded", "schedule", "sized", "tensor_size",
     "with_generated", "with_outside", "workspace_bytes",
 ]
 
@@ -59,7 +60,7 @@ class Analyzed:
 
 def analyze_graph(graph_def, index: GraphIndex, props: Properties,
                   batch: Optional[int], threads: Optional[int],
-                  onednn: bool = False) -> Analyzed:
+                  onednn: bool = False, shapes: Optional[Sized] = None) -> Analyzed:
     """Analyzes a graph whose properties may lack sntf's generated nodes.
 
     Args:
@@ -69,6 +70,8 @@ def analyze_graph(graph_def, index: GraphIndex, props: Properties,
       batch: the batch that resolves unknown batch dimensions.
       threads: intra-op threads of the device.
       onednn: whether TensorFlow's oneDNN graph pass runs.
+      shapes: the graph's sized outputs (analysis.sized), where the caller
+        has them; computed here otherwise.
 
     Returns:
       The Analyzed graph.
@@ -76,4 +79,4 @@ def analyze_graph(graph_def, index: GraphIndex, props: Properties,
     extended = with_generated(props, index)
     return Analyzed(graph_def, index, extended,
                     analyze(index, extended, batch=batch, threads=threads,
-                            onednn=onednn))
+                            onednn=onednn, shapes=shapes))

@@ -54,7 +54,7 @@ class OutOfMemory(Exception):
     step: int = -1
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Chunk:
     addr: int
     size: int
@@ -129,7 +129,8 @@ class BfcModel:
         """An independent copy of the allocator in its present state."""
         other = BfcModel.__new__(BfcModel)
         other.__dict__.update(self.__dict__)
-        other._chunks = {a: dataclasses.replace(c) for a, c in self._chunks.items()}
+        other._chunks = {a: _Chunk(c.addr, c.size, c.region, c.in_use, c.prev, c.next)
+                         for a, c in self._chunks.items()}
         other._bins = [list(entries) for entries in self._bins]
         return other
 
@@ -167,32 +168,34 @@ class BfcModel:
         return c.addr
 
     def free(self, addr: int) -> None:
-        """Frees a chunk and merges it with free neighbours."""
-        c = self._chunks[addr]
+        """Frees a chunk and merges it with free neighbours.
+
+        Every free chunk but the one being freed is in its bin."""
+        chunks = self._chunks
+        c = chunks[addr]
         c.in_use = False
         self.in_use -= c.size
-        if c.next is not None and not self._chunks[c.next].in_use:
-            c = self._merge(c, self._chunks[c.next])
-        if c.prev is not None and not self._chunks[c.prev].in_use:
-            c = self._merge(self._chunks[c.prev], c)
+        if c.next is not None:
+            right = chunks[c.next]
+            if not right.in_use:
+                self._bin_remove(right)
+                self._absorb(c, right)
+        if c.prev is not None:
+            left = chunks[c.prev]
+            if not left.in_use:
+                self._bin_remove(left)
+                self._absorb(left, c)
+                c = left
         self._bin_insert(c)
 
-    def _binned(self, c: _Chunk) -> bool:
-        entries = self._bins[_bin_of(c.size)]
-        k = bisect.bisect_left(entries, (c.size, c.addr))
-        return k < len(entries) and entries[k] == (c.size, c.addr)
-
-    def _merge(self, left: _Chunk, right: _Chunk) -> _Chunk:
-        if not left.in_use and self._binned(left):
-            self._bin_remove(left)
-        if not right.in_use and self._binned(right):
-            self._bin_remove(right)
+    def _absorb(self, left: _Chunk, right: _Chunk) -> None:
+        """Merges `right` into `left`, its neighbour before it; neither is
+        in a bin."""
         left.size += right.size
         left.next = right.next
         if right.next is not None:
             self._chunks[right.next].prev = left.addr
         del self._chunks[right.addr]
-        return left
 
 
 def hold_outside(sim: BfcModel, nbytes: int) -> None:
@@ -312,8 +315,13 @@ def _run_step(sim: BfcModel, buffer_bytes: dict, allocs: dict, frees: dict, end:
     where = {}
     series = []
     step = -1
+    # Only the steps that allocate or free change what is in use: the steps
+    # between them repeat the figure.
+    busy = sorted(k for k in set(allocs) | set(frees) if 0 <= k < end)
     try:
-        for step in range(end):     # each step's lists sorted (simulate)
+        for step in busy:
+            if len(series) < step:
+                series.extend([sim.in_use] * (step - len(series)))
             for _, b in allocs.get(step, ()):
                 where[b] = sim.allocate(buffer_bytes[b])
             series.append(sim.in_use)
@@ -327,6 +335,7 @@ def _run_step(sim: BfcModel, buffer_bytes: dict, allocs: dict, frees: dict, end:
     except OutOfMemory as e:
         e.step = step
         raise
+    series.extend([sim.in_use] * (end - len(series)))
     for b in sorted(where):
         sim.free(where[b])
     return tuple(series)

@@ -10,6 +10,7 @@ The memory model follows TensorFlow's executor and CPU allocator:
   * every allocation is rounded up to the allocator's 256-byte granule, and
     a model of the BFC allocator gives the bytes it reports in use.
 
+Which buffer each tensor lives in, and when, is sntf.analysis.liveness.
 Buffers are keyed by the tensor (node, port) that allocated them; a
 variable's buffer by (its handle's root, VARIABLE_PORT), an op's scratch
 memory by (the op, SCRATCH_PORT).
@@ -17,31 +18,58 @@ memory by (the op, SCRATCH_PORT).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 from typing import Optional
 
 from sntf.analysis import bfc
-from sntf.analysis.costs import (DEFAULT_COST_MODEL, CostModel, has_workspace, op_seconds,
-                                 workspace_bytes)
+from sntf.analysis.costs import DEFAULT_COST_MODEL, CostModel, op_seconds
+from sntf.analysis.liveness import Liveness, input_shapes, itemsize, outputs_of
 from sntf.analysis.phased import by_phase
 from sntf.analysis.schedule import schedule
-from sntf.analysis.shapes import (Properties, SymbolicSize, concrete,
-                                  resolve_symbolic_dims, rounded, shape_of, tensor_size)
+from sntf.analysis.shapes import (Properties, SymbolicSize, resolve_symbolic_dims,
+                                  tensor_size)
 from sntf.graph import optable
 from sntf.graph.fusions import merged_kernels
 from sntf.graph.index import GraphIndex
-from sntf.graph.training import handle_root
 
 from sntf.analysis.facts import (  # noqa: F401 (the module's public names)
     ACTIVATION, GRADIENT, PERSISTENT, SCRATCH_PORT, TEMPORARY, TENSOR_CLASSES,
     VARIABLE_PORT, Analysis, Deferred, Timeline)
 
 
+@dataclasses.dataclass(frozen=True)
+class Sized:
+    """A graph's properties with its symbolic dims resolved, the bytes of
+    every output at a batch, and how many of them are not fully known:
+    what an analysis derives from the nodes and data edges alone, and so
+    shares with a graph that differs in control edges only."""
+
+    properties: Properties
+    sizes: dict
+    unknown: int
+
+
+def sized(g: GraphIndex, properties: Properties, batch: Optional[int]) -> Sized:
+    """The Sized outputs of graph `g` with static `properties` at `batch`.
+
+    Args:
+      g: the graph index.
+      properties: node name -> [(dtype enum, shape or None) per output].
+      batch: the batch that resolves unknown batch dimensions.
+
+    Returns:
+      The Sized.
+    """
+    resolved = resolve_symbolic_dims(g, properties)
+    sizes, unknown = _sizes(g, resolved, batch)
+    return Sized(resolved, sizes, unknown)
+
+
 def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
             cost_model: CostModel = DEFAULT_COST_MODEL,
-            threads: Optional[int] = None, onednn: bool = False) -> Analysis:
+            threads: Optional[int] = None, onednn: bool = False,
+            shapes: Optional[Sized] = None) -> Analysis:
     """Predicts the memory timeline of one step of a graph.
 
     Args:
@@ -54,6 +82,8 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
         scratch buffers depends on it); None: this machine's CPU count.
       onednn: whether TensorFlow's oneDNN graph pass runs (it swaps the
         CPU convolution kernels, and with them their scratch memory).
+      shapes: sized(g, properties, batch), where the caller has it (from a
+        graph with the same nodes and data edges).
 
     Returns:
       The Analysis.
@@ -62,9 +92,10 @@ def analyze(g: GraphIndex, properties: Properties, batch: Optional[int] = None,
         threads = os.cpu_count() or 1
     order = schedule(g, merged=merged_kernels(g) if onednn else None)
     given = properties
-    properties = resolve_symbolic_dims(g, given)
-    sizes, unknown = _sizes(g, properties, batch)
-    live = _Liveness(g, order, properties, sizes)
+    if shapes is None:
+        shapes = sized(g, given, batch)
+    properties, sizes, unknown = shapes.properties, shapes.sizes, shapes.unknown
+    live = Liveness(g, order, properties, sizes)
     live.add_scratch(batch, threads, onednn)
     end = len(order)
     intervals = live.intervals()
@@ -109,252 +140,16 @@ def _sizes(g: GraphIndex, properties, batch: Optional[int]) -> tuple[dict, int]:
                 # Unsolved dims, or one that holds the batch times a number,
                 # but a known element count.
                 elements, power = counts[(name, port)]
-                itemsize = optable.DTYPE_BYTES.get(dtype, 0)
-                size = (SymbolicSize(0, itemsize * elements) if power == 1 else
-                        SymbolicSize(itemsize * elements, 0) if power == 0 else size)
+                width = optable.DTYPE_BYTES.get(dtype, 0)
+                size = (SymbolicSize(0, width * elements) if power == 1 else
+                        SymbolicSize(width * elements, 0) if power == 0 else size)
             if not size.known:
                 unknown += 1
             sizes[(i, port)] = size.at(batch)
     return sizes, unknown
 
 
-class _Owners(dict):
-    """tensor -> buffer, with the inverse (buffer -> its tensors) kept current."""
-
-    def __init__(self):
-        super().__init__()
-        self.tensors = collections.defaultdict(list)
-
-    def __setitem__(self, tensor, buffer):
-        super().__setitem__(tensor, buffer)
-        self.tensors[buffer].append(tensor)
-
-
-class _Liveness:
-    """Which buffer every tensor lives in, and the steps each buffer lives.
-
-    Aliases share their source's buffer; forwarding kernels take over an
-    input buffer of the same size that they read last; a variable's reads
-    share the variable's persistent buffer.
-    """
-
-    def __init__(self, g: GraphIndex, order, properties, sizes: dict):
-        self.g, self.order, self.properties, self.sizes = g, order, properties, sizes
-        self.step_of = {node: s for s, node in enumerate(order)}
-        self.owner = _Owners()         # tensor -> buffer id
-        self.buffer_bytes: dict = {}   # buffer id -> rounded bytes
-        self.buffer_free: dict = {}    # buffer id -> last step any alias is read
-        self.buffer_alloc: dict = {}   # buffer id -> step allocated
-        self.persistent: set = set()
-        # Per node, its output tensors; most nodes have one output.
-        self.outputs_of = _outputs_of(g, properties)
-        self.last_use = self._last_uses()
-        self.fetched = self._fetched()
-        self._run_all()
-        for t in self.fetched:
-            b = self.owner.get(t)
-            if b is not None:
-                self.buffer_free[b] = len(order)
-
-    def _last_uses(self) -> dict:
-        """tensor -> the step of its last consumer."""
-        last_use = {}
-        data_inputs = self.g.data_inputs
-        for s, i in enumerate(self.order):     # steps ascending: the last wins
-            for t in data_inputs[i]:
-                last_use[t] = s
-        return last_use
-
-    def _fetched(self) -> set:
-        """Tensors the step hands back: alive to its end."""
-        g, fetched = self.g, set()
-        for f in g.fetch:
-            for p, port in g.data_inputs[f]:
-                fetched.add((p, port))
-            if g.ops[f] != "_Retval":
-                fetched.update((f, port) for port in
-                               range(len(self.properties.get(g.names[f], ()))))
-        fetched.update(t for i, op in enumerate(g.ops) if op == "_Retval"
-                       for t in g.data_inputs[i])
-        return fetched
-
-    def _allocate(self, t, s: int, persistent: bool = False, buffer=None) -> None:
-        b = t if buffer is None else buffer
-        self.owner[t] = b
-        if persistent:
-            self.buffer_bytes.setdefault(b, rounded(self.sizes[t]))
-            self.buffer_alloc[b] = -1
-            self.persistent.add(b)
-        else:
-            self.buffer_bytes[b] = rounded(self.sizes[t])
-            self.buffer_alloc[b] = s
-
-    def _place(self, s: int, i: int, t) -> None:
-        """Decides the buffer of output t of node i, run at step s."""
-        op, inputs, owner = self.g.ops[i], self.g.data_inputs[i], self.owner
-        if op in optable.REDUCTION_OPS and t[1] == 0 and self._reduces_nothing(i):
-            owner[t] = owner[inputs[0]]
-            return
-        if op in optable.FREE_OPS or self.sizes.get(t, 0) == 0:
-            return
-        if op in optable.ALIAS_OPS:
-            if inputs and inputs[0] in owner:
-                owner[t] = owner[inputs[0]]
-                return
-            if op in optable.CONTROL_FLOW_OPS:
-                return      # a handle or an input carried into a frame or branch
-            if inputs and self._reads_variable(inputs[0][0]):
-                # A read of a variable is a view of the variable's buffer:
-                # persistent, and counted once however often it is read.
-                root = handle_root(self.g, inputs[0][0])
-                self._allocate(t, s, persistent=True, buffer=(root, VARIABLE_PORT))
-                return
-        if op in optable.PERSISTENT_OPS:
-            self._allocate(t, s, persistent=True)
-            return
-        reused = None
-        if op in optable.FORWARDING_OPS and t[1] == 0:
-            reused = self._forwardable_input(inputs, rounded(self.sizes[t]), s)
-        if reused is not None:
-            owner[t] = reused
-        else:
-            self._allocate(t, s)
-
-    def _run_all(self) -> None:
-        """Places every op's outputs, step by step, and extends the life of
-        every buffer an op reads and writes to its step (steps run in order:
-        each is the latest yet)."""
-        owner, free, place = self.owner, self.buffer_free, self._place
-        data_inputs, outputs_of = self.g.data_inputs, self.outputs_of
-        for s, i in enumerate(self.order):
-            outputs = outputs_of[i]
-            for t in outputs:
-                place(s, i, t)
-            for t in data_inputs[i]:
-                b = owner.get(t)
-                if b is not None:
-                    free[b] = s
-            for t in outputs:
-                b = owner.get(t)
-                if b is not None:
-                    free[b] = s
-
-    def _reduces_nothing(self, i: int) -> bool:
-        """Whether reduction i keeps every element of its input: its output
-        is as large, or, its size unknown, every reader reshapes it to a
-        known size that is (a Reshape keeps the element count)."""
-        g, inputs = self.g, self.g.data_inputs[i]
-        need = self.sizes.get(inputs[0], 0) if inputs and inputs[0] in self.owner else 0
-        if not need:
-            return False
-        if self.sizes.get((i, 0), 0) == need:
-            return True
-        readers = [c for c, _, port in g.consumers[i] if port == 0]
-        return bool(readers) and all(g.ops[c] == optable.RESHAPE_OP and self.sizes.get((c, 0)) == need
-                                     for c in readers)
-
-    def _reads_variable(self, producer: int) -> bool:
-        """Whether a tensor comes from a resource handle (through Identity ops)."""
-        return self.g.ops[handle_root(self.g, producer)] in optable.FREE_OPS
-
-    def _forwardable_input(self, inputs, need: int, step: int):
-        """The buffer of an input this op reads last and can overwrite, if any."""
-        owner = self.owner
-        for t in inputs:
-            b = owner.get(t)
-            if (b is None or b in self.persistent or t in self.fetched
-                    or b not in self.buffer_bytes):
-                continue
-            if self.buffer_bytes[b] != need:
-                continue
-            # Every tensor living in the buffer must be done by this step.
-            if self.buffer_free.get(b, -1) > step:
-                continue
-            if any(self.last_use.get(other, -1) > step or other in self.fetched
-                   for other in owner.tensors[b]):
-                continue
-            return b
-        return None
-
-    def input_shapes(self, i: int) -> list:
-        return _input_shapes(self.g, self.properties, i)
-
-    def itemsize(self, i: int) -> int:
-        return _itemsize(self.g, self.properties, i)
-
-    def add_scratch(self, batch: Optional[int], threads: int, onednn: bool) -> None:
-        """Scratch buffers: live only while their op runs."""
-        ops = self.g.ops
-        for s, i in enumerate(self.order):
-            if not has_workspace(ops[i], onednn):
-                continue
-            outs = self.properties.get(self.g.names[i], ())
-            ws = workspace_bytes(self.g.ops[i],
-                                 [concrete(x, batch) for x in self.input_shapes(i)],
-                                 [concrete(o[1], batch) for o in outs],
-                                 self.itemsize(i), threads, onednn)
-            if ws:
-                b = (i, SCRATCH_PORT)
-                self.buffer_bytes[b] = rounded(ws)
-                self.buffer_alloc[b] = s
-                self.buffer_free[b] = s
-
-    def handover(self) -> dict:
-        """Buffer -> the variable buffer it becomes: the value of an
-        AssignVariableOp that reads it last, which the kernel adopts
-        (forward_input) instead of copying it into the variable."""
-        found = {}
-        for i, op in enumerate(self.g.ops):
-            inputs = self.g.data_inputs[i]
-            if op != optable.ASSIGN_VARIABLE_OP or len(inputs) < 2 or i not in self.step_of:
-                continue
-            b = self.owner.get(inputs[1])
-            target = (handle_root(self.g, inputs[0][0]), VARIABLE_PORT)
-            if (b is not None and b not in self.persistent and target in self.persistent
-                    and self.buffer_free.get(b) == self.step_of[i]
-                    and self.buffer_bytes[b] == self.buffer_bytes[target]
-                    and not any(t in self.fetched for t in self.owner.tensors[b])):
-                found[b] = target
-        return found
-
-    def release(self) -> tuple[dict, dict]:
-        """Drops what only the timeline needs, and the shapes and sizes
-        (the lower bound and the op costs, computed when first read, find
-        them again): what an analysis keeps for them is its buffers.
-        Returns (buffer -> bytes, tensor -> buffer) as plain dicts, which
-        it keeps in their place, so that an analysis and this share them."""
-        del self.step_of, self.last_use, self.buffer_free, self.buffer_alloc, self.fetched
-        del self.properties, self.sizes, self.outputs_of
-        self.tensors = self.owner.tensors        # buffer -> its tensors
-        self.buffer_bytes, self.owner = dict(self.buffer_bytes), dict(self.owner)
-        return self.buffer_bytes, self.owner
-
-    def persistent_bytes(self) -> int:
-        return sum(self.buffer_bytes[b] for b in self.persistent)
-
-    def intervals(self) -> dict:
-        """Buffer -> (allocating step, last step), persistent buffers aside."""
-        return {b: (self.buffer_alloc[b], self.buffer_free.get(b, self.buffer_alloc[b]))
-                for b in self.buffer_bytes if b not in self.persistent}
-
-
-def _outputs_of(g: GraphIndex, properties) -> list:
-    """Per node, its output tensors (most nodes have one)."""
-    outputs = properties.get
-    return [[(i, 0)] if k == 1 else [(i, port) for port in range(k)]
-            for i, k in enumerate(len(outputs(name, ())) for name in g.names)]
-
-
-def _input_shapes(g: GraphIndex, properties, i: int) -> list:
-    return [shape_of(properties, g, t) for t in g.data_inputs[i]]
-
-
-def _itemsize(g: GraphIndex, properties, i: int) -> int:
-    outs = properties.get(g.names[i])
-    return optable.DTYPE_BYTES.get(outs[0][0], 4) if outs else 4
-
-
-def _lower_bound_and_costs(live: _Liveness, given, batch: Optional[int],
+def _lower_bound_and_costs(live: Liveness, given, batch: Optional[int],
                            cost_model: CostModel) -> tuple[int, int, tuple]:
     """The largest single-op working set plus persistent bytes (the lower
     bound, and its step), and every step's estimated seconds, for a
@@ -362,24 +157,24 @@ def _lower_bound_and_costs(live: _Liveness, given, batch: Optional[int],
     g, owner, persistent = live.g, live.owner, live.persistent
     properties = resolve_symbolic_dims(g, given)
     sizes, _ = _sizes(g, properties, batch)
-    outputs_of = _outputs_of(g, properties)
+    outs_of = outputs_of(g, properties)
     persistent_bytes = live.persistent_bytes()
     lower, lower_step = persistent_bytes, 0
     seconds = []
     for s, i in enumerate(live.order):
         ins = [sizes.get(t, 0) for t in g.data_inputs[i]
                if owner.get(t) is not None and owner.get(t) not in persistent]
-        outs = [sizes.get(t, 0) for t in outputs_of[i]
+        outs = [sizes.get(t, 0) for t in outs_of[i]
                 if owner.get(t) is not None and owner.get(t) not in persistent]
         # Distinct buffers: a view or a forwarded output shares its input's.
-        touched = {owner[t] for t in list(g.data_inputs[i]) + outputs_of[i]
+        touched = {owner[t] for t in list(g.data_inputs[i]) + outs_of[i]
                    if owner.get(t) is not None and owner[t] not in persistent}
         touched.add((i, SCRATCH_PORT))
         work = persistent_bytes + sum(live.buffer_bytes.get(b, 0) for b in touched)
         if work > lower:
             lower, lower_step = work, s
-        seconds.append(op_seconds(g.ops[i], ins, outs, _input_shapes(g, properties, i),
-                                  batch, cost_model, itemsize=_itemsize(g, properties, i)))
+        seconds.append(op_seconds(g.ops[i], ins, outs, input_shapes(g, properties, i),
+                                  batch, cost_model, itemsize=itemsize(g, properties, i)))
     return lower, lower_step, tuple(seconds)
 
 

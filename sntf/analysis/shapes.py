@@ -237,10 +237,12 @@ class _DimSolver:
         return True
 
     def sweep(self) -> bool:
-        """One pass over the graph in topological order; whether it solved
-        any symbol."""
+        """One pass over the graph in a topological order of its data
+        edges; whether it solved any symbol. What is solved depends on the
+        data edges alone, so graphs that differ in control edges resolve
+        alike."""
         changed = False
-        for i in self.g.topo:
+        for i in self.g.data_topo:
             op, inputs = self.g.ops[i], self.g.data_inputs[i]
             outs = self.properties.get(self.g.names[i], ())
             if not outs or not inputs or outs[0][1] is None:

@@ -191,6 +191,11 @@ def _list_schedule(g, facts, rank: dict, readers: dict, reads: dict,
 # over the buffers.
 MOVES = 64
 TRIES = 8
+# The most ops a move takes along. A block is the closure of one op within
+# the span it crosses; on a deep network that span can hold most of the
+# backward pass, which depends on the op at the peak, so the walk would
+# cover thousands of ops to find a move it cannot make.
+MAX_BLOCK = 512
 
 
 def _refined(g, facts, order: list, last: int, readers: dict, links: _Links) -> list:
@@ -224,7 +229,8 @@ def _refined(g, facts, order: list, last: int, readers: dict, links: _Links) -> 
     peak, at, live = profile.peak(order)
     for _ in range(MOVES):
         best = None
-        for moved in _moves(links, profile, order, at, live):
+        for moved in _moves(links, profile, order, _positions(order, profile.nodes),
+                            at, live):
             got = profile.peak(moved)
             if got[0] < peak and (best is None or got[0] < best[0][0]):
                 best = (got, moved)
@@ -288,8 +294,18 @@ class _Profile:
         return int(live[at]), at, (start, stop)
 
 
-def _moves(links: _Links, profile: _Profile, order: list, at: int, live: tuple):
-    """Orders with one block of ops moved across step `at` (the peak)."""
+def _positions(order: list, nodes: int) -> list:
+    """Node -> its step in `order` (-1 for a node it leaves out)."""
+    pos = [-1] * nodes
+    for s, node in enumerate(order):
+        pos[node] = s
+    return pos
+
+
+def _moves(links: _Links, profile: _Profile, order: list, pos: list, at: int,
+           live: tuple):
+    """Orders with one block of ops moved across step `at` (the peak);
+    pos: node -> its step in `order` (_positions)."""
     import numpy as np
 
     start, stop = live
@@ -297,36 +313,35 @@ def _moves(links: _Links, profile: _Profile, order: list, at: int, live: tuple):
     largest = around[np.argsort(-profile.size[around], kind="stable")][:TRIES]
     for k in largest:
         if start[k] < at:
-            moved = _sunk(links, order, int(start[k]), at)
+            moved = _sunk(links, order, pos, int(start[k]), at)
             if moved is not None:
                 yield moved
         if at < stop[k] and not profile.to_end[k]:
-            moved = _hoisted(links, order, at, int(stop[k]))
+            moved = _hoisted(links, order, pos, at, int(stop[k]))
             if moved is not None:
                 yield moved
 
 
-def _sunk(links: _Links, order: list, begin: int, at: int) -> Optional[list]:
+def _sunk(links: _Links, order: list, pos: list, begin: int, at: int) -> Optional[list]:
     """`order` with the op at `begin`, and every op up to step `at` that
     depends on it, moved past `at`, as late as their readers allow (just
     before the first of them); None if that takes the op at `at` along."""
     after = links.after.__getitem__
-    block = _closure(order[begin], set(order[begin:at + 1]), after, order[at])
+    block = _closure(order[begin], pos, begin, at, after, order[at])
     if block is None:
         return None
-    step = {node: s for s, node in enumerate(order[at + 1:], at + 1)}
-    until = min((step[c] for n in block for c in after(n) if c in step),
+    until = min((pos[c] for n in block for c in after(n) if pos[c] > at),
                 default=len(order))
     segment = order[begin:at + 1]
     return (order[:begin] + [n for n in segment if n not in block] + order[at + 1:until]
             + [n for n in segment if n in block] + order[until:])
 
 
-def _hoisted(links: _Links, order: list, at: int, end: int) -> Optional[list]:
+def _hoisted(links: _Links, order: list, pos: list, at: int, end: int) -> Optional[list]:
     """`order` with the op at `end`, and every op from step `at` on that it
     depends on, moved to just before `at`; None if that takes the op at
     `at` along."""
-    block = _closure(order[end], set(order[at:end + 1]), links.before.__getitem__, order[at])
+    block = _closure(order[end], pos, at, end, links.before.__getitem__, order[at])
     if block is None:
         return None
     segment = order[at:end + 1]
@@ -334,16 +349,18 @@ def _hoisted(links: _Links, order: list, at: int, end: int) -> Optional[list]:
             + [n for n in segment if n not in block] + order[end + 1:])
 
 
-def _closure(node: int, window: set, neighbours, stop: int) -> Optional[set]:
-    """`node` and the nodes in `window` reachable from it through
-    `neighbours`; None as soon as `stop` is among them."""
+def _closure(node: int, pos: list, first: int, last: int, neighbours,
+             stop: int) -> Optional[set]:
+    """`node` and the nodes at steps first..last (pos: node -> step)
+    reachable from it through `neighbours`; None as soon as `stop` is among
+    them, or they number more than MAX_BLOCK."""
     if node == stop:
         return None
     block, todo = {node}, [node]
     while todo:
         for other in neighbours(todo.pop()):
-            if other in window and other not in block:
-                if other == stop:
+            if first <= pos[other] <= last and other not in block:
+                if other == stop or len(block) >= MAX_BLOCK:
                     return None
                 block.add(other)
                 todo.append(other)

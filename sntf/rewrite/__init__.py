@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sntf.analysis import Analyzed, analyze_graph
+import weakref
+
+from sntf.analysis import Analyzed, analyze_graph, sized, with_generated
 from sntf.rewrite.apply import RewriteResult, apply_plan, set_cache_limits
 from sntf.graph import updated_index
 from sntf.rewrite.fusions import keep_merges, kept_merges, merged_pairs
@@ -21,6 +23,11 @@ from sntf.rewrite.validate import validate
 __all__ = ["PinnedSums", "RewriteResult", "SumsOutcome", "apply_plan", "evaluator",
            "hold_after_planning", "hold_before_planning", "keep_merges", "pin_sums",
            "set_cache_limits", "validate"]
+
+
+# Graphs whose sized outputs an evaluator keeps: a base and its ordered try,
+# and the one before.
+KNOWN_SHAPES = 4
 
 
 def evaluator(threads: Optional[int], onednn: bool = False):
@@ -38,6 +45,12 @@ def evaluator(threads: Optional[int], onednn: bool = False):
       GraphError.
     """
     merged: dict = {}    # the last base graph's index and its merged pairs
+    # (graph index, its sized outputs) for the last few graphs tried with
+    # order edges alone: the orders tried on one graph share them.
+    known: list = []
+
+    def shapes_of(g):
+        return next((shapes for ref, shapes in known if ref() is g), None)
 
     def evaluate(plan, base: Analyzed) -> Optional[Analyzed]:
         result = apply_plan(base.graph_def, plan, base.index)
@@ -57,7 +70,17 @@ def evaluator(threads: Optional[int], onednn: bool = False):
             if kept is not graph_def:
                 graph_def, index = kept, updated_index(index, kept, gave)
         index = validate(graph_def, base.index, index)
+        shapes = None
+        if index.data_inputs == base.index.data_inputs:
+            # Order edges alone: the same nodes and data edges, so the same
+            # resolved shapes and sizes.
+            shapes = shapes_of(base.index)
+            if shapes is None:
+                shapes = sized(index, with_generated(base.props, index), base.facts.batch)
+            known[:] = [(weakref.ref(g), shapes) for g in (base.index, index)] + [
+                entry for entry in known
+                if entry[0]() not in (None, base.index, index)][:KNOWN_SHAPES - 2]
         return analyze_graph(graph_def, index, base.props, base.facts.batch,
-                             threads, onednn)
+                             threads, onednn, shapes=shapes)
 
     return evaluate
