@@ -114,6 +114,36 @@ def test_a_budget_no_plan_meets_gets_no_plan_above_any_policys(name):
     assert report["planned_peak_bytes"] <= lowest, report["reason"]
 
 
+def test_a_try_given_its_base_shapes_analyzes_as_if_sized_afresh(monkeypatch):
+    """A try that adds order edges alone is analyzed with its base's
+    resolved shapes and sizes (rewrite.evaluator), and its index keeps the
+    base's order of data edges (graph.updated_index): both must be what the
+    graph, analyzed and indexed afresh, gives."""
+    from sntf import analysis, graph, rewrite
+
+    given = []
+
+    def checked(graph_def, index, props, batch, threads, onednn=False, shapes=None):
+        got = analysis.analyze_graph(graph_def, index, props, batch, threads, onednn,
+                                     shapes=shapes)
+        if shapes is not None:
+            fresh = analysis.analyze_graph(graph_def, index, props, batch, threads, onednn)
+            for field in ("schedule", "buffer_bytes", "buffer_intervals", "buffers",
+                          "predicted_peak_bytes", "unknown_sizes"):
+                assert getattr(got.facts, field) == getattr(fresh.facts, field), field
+            rebuilt = graph.build_index(graph_def, [index.names[i] for i in index.fetch],
+                                        [index.names[i] for i in index.preserve])
+            assert index.data_topo == rebuilt.data_topo
+            given.append(index)
+        return got
+
+    monkeypatch.setattr(rewrite, "analyze_graph", checked)
+    for name in ("zoo-allconv_swish", "family-unet", "zoo-gpt"):
+        entry = corpus.load(os.path.join(FOLDER, name + ".json.gz"))
+        corpus.replay(entry, corpus.config("swap+recompute"))
+    assert len(given) >= 6
+
+
 def test_the_index_of_every_tried_plan_equals_a_full_build(monkeypatch):
     """The evaluator, and the edges that hold sums in order, update the
     index of the graph they change where they changed it
