@@ -114,34 +114,40 @@ def test_a_budget_no_plan_meets_gets_no_plan_above_any_policys(name):
     assert report["planned_peak_bytes"] <= lowest, report["reason"]
 
 
-def test_a_try_given_its_base_shapes_analyzes_as_if_sized_afresh(monkeypatch):
-    """A try that adds order edges alone is analyzed with its base's
-    resolved shapes and sizes (rewrite.evaluator), and its index keeps the
-    base's order of data edges (graph.updated_index): both must be what the
-    graph, analyzed and indexed afresh, gives."""
+def test_a_try_given_known_shapes_and_analyses_analyzes_as_afresh(monkeypatch):
+    """The evaluator hands a try the shapes, and the analyses, of the graphs
+    it knows with the same nodes and data edges (rewrite.evaluator: the
+    orders tried on one graph), and the index keeps the base's order of
+    data edges (graph.updated_index): each analysis must be what the graph,
+    sized, analyzed and indexed afresh, gives."""
     from sntf import analysis, graph, rewrite
 
-    given = []
+    reused, differ = [], []
 
-    def checked(graph_def, index, props, batch, threads, onednn=False, shapes=None):
+    def checked(graph_def, index, props, batch, threads, onednn=False, shapes=None,
+                priors=()):
         got = analysis.analyze_graph(graph_def, index, props, batch, threads, onednn,
-                                     shapes=shapes)
-        if shapes is not None:
-            fresh = analysis.analyze_graph(graph_def, index, props, batch, threads, onednn)
-            for field in ("schedule", "buffer_bytes", "buffer_intervals", "buffers",
-                          "predicted_peak_bytes", "unknown_sizes"):
-                assert getattr(got.facts, field) == getattr(fresh.facts, field), field
-            rebuilt = graph.build_index(graph_def, [index.names[i] for i in index.fetch],
-                                        [index.names[i] for i in index.preserve])
-            assert index.data_topo == rebuilt.data_topo
-            given.append(index)
+                                     shapes=shapes, priors=priors)
+        fresh = analysis.analyze_graph(graph_def, index, props, batch, threads, onednn)
+        # Recorded, not asserted here: the planner's optional stages catch
+        # what an evaluation raises.
+        differ.extend(field for field in (
+            "schedule", "buffer_bytes", "buffer_intervals", "buffers",
+            "predicted_peak_bytes", "unknown_sizes", "node_phases", "lower_bound_bytes")
+            if getattr(got.facts, field) != getattr(fresh.facts, field))
+        rebuilt = graph.build_index(graph_def, [index.names[i] for i in index.fetch],
+                                    [index.names[i] for i in index.preserve])
+        if index.data_topo != rebuilt.data_topo:
+            differ.append("data_topo")
+        reused.append(any(got.facts.liveness is p.liveness for p in priors))
         return got
 
     monkeypatch.setattr(rewrite, "analyze_graph", checked)
     for name in ("zoo-allconv_swish", "family-unet", "zoo-gpt"):
         entry = corpus.load(os.path.join(FOLDER, name + ".json.gz"))
         corpus.replay(entry, corpus.config("swap+recompute"))
-    assert len(given) >= 6
+    assert not differ
+    assert len(reused) >= 20 and any(reused)
 
 
 def test_the_index_of_every_tried_plan_equals_a_full_build(monkeypatch):
@@ -153,11 +159,13 @@ def test_the_index_of_every_tried_plan_equals_a_full_build(monkeypatch):
     from sntf.rewrite import sums
 
     made = []    # (the index updated, whether it was one made here)
+    differ = []  # recorded, not asserted here: the planner catches what a try raises
 
     def checked(before, graph_def, touched):
         got = graph.updated_index(before, graph_def, touched)
-        assert got == graph.build_index(graph_def, [before.names[i] for i in before.fetch],
-                                        [before.names[i] for i in before.preserve])
+        if got != graph.build_index(graph_def, [before.names[i] for i in before.fetch],
+                                    [before.names[i] for i in before.preserve]):
+            differ.append(len(made))
         made.append((got, any(before is g for g, _ in made)))
         return got
 
@@ -167,5 +175,6 @@ def test_the_index_of_every_tried_plan_equals_a_full_build(monkeypatch):
         entry = corpus.load(os.path.join(FOLDER, name + ".json.gz"))
         for policy in ("swap+recompute", "auto"):
             corpus.replay(entry, corpus.config(policy))
+    assert not differ
     # oneDNN's merges were kept again: an updated index updated once more.
     assert len(made) >= 20 and any(again for _, again in made)

@@ -60,7 +60,8 @@ class Analyzed:
 
 def analyze_graph(graph_def, index: GraphIndex, props: Properties,
                   batch: Optional[int], threads: Optional[int],
-                  onednn: bool = False, shapes: Optional[Sized] = None) -> Analyzed:
+                  onednn: bool = False, shapes: Optional[Sized] = None,
+                  priors: tuple = ()) -> Analyzed:
     """Analyzes a graph whose properties may lack sntf's generated nodes.
 
     Args:
@@ -72,6 +73,8 @@ def analyze_graph(graph_def, index: GraphIndex, props: Properties,
       onednn: whether TensorFlow's oneDNN graph pass runs.
       shapes: the graph's sized outputs (analysis.sized), where the caller
         has them; computed here otherwise.
+      priors: analyses of graphs with the same nodes and data edges
+        (memory.analyze).
 
     Returns:
       The Analyzed graph.
@@ -79,4 +82,4 @@ def analyze_graph(graph_def, index: GraphIndex, props: Properties,
     extended = with_generated(props, index)
     return Analyzed(graph_def, index, extended,
                     analyze(index, extended, batch=batch, threads=threads,
-                            onednn=onednn, shapes=shapes))
+                            onednn=onednn, shapes=shapes, priors=priors))

@@ -134,6 +134,9 @@ class Analysis:
     # modelled on them (memory.with_outside): allocated first in the
     # allocator model, the timeline is then what the graph adds to them.
     outside_bytes: int = 0
+    # The liveness the analysis was made from (sntf.analysis.liveness),
+    # released: what its deferred parts are computed from.
+    liveness: object = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def node_phases(self) -> tuple[str, ...]:

@@ -25,9 +25,9 @@ __all__ = ["PinnedSums", "RewriteResult", "SumsOutcome", "apply_plan", "evaluato
            "set_cache_limits", "validate"]
 
 
-# Graphs whose sized outputs an evaluator keeps: a base and its ordered try,
-# and the one before.
-KNOWN_SHAPES = 4
+# Graphs an evaluator keeps the shapes and analysis of: a base, the orders
+# tried on it, and the graph before.
+KNOWN_GRAPHS = 4
 
 
 def evaluator(threads: Optional[int], onednn: bool = False):
@@ -45,12 +45,24 @@ def evaluator(threads: Optional[int], onednn: bool = False):
       GraphError.
     """
     merged: dict = {}    # the last base graph's index and its merged pairs
-    # (graph index, its sized outputs) for the last few graphs tried with
-    # order edges alone: the orders tried on one graph share them.
+    # (graph index, its sized outputs, its analysis) for the last few graphs
+    # analyzed here: a graph that differs from one of them in control edges
+    # alone (an order tried) has its shapes, and where it runs in the same
+    # order, its analysis.
     known: list = []
 
-    def shapes_of(g):
-        return next((shapes for ref, shapes in known if ref() is g), None)
+    def alike(index, base: Analyzed) -> tuple:
+        """(sized outputs or None, the analyses) of the known graphs, and
+        the base, with index's nodes and data edges."""
+        shapes, priors = None, []
+        for ref, got, facts in known + [(lambda: base.index, None, base.facts)]:
+            g = ref()
+            if g is not None and (g is index or (
+                    g.data_inputs == index.data_inputs and g.names == index.names
+                    and g.ops == index.ops)):
+                shapes = shapes or got
+                priors.append(facts)
+        return shapes, tuple(priors)
 
     def evaluate(plan, base: Analyzed) -> Optional[Analyzed]:
         result = apply_plan(base.graph_def, plan, base.index)
@@ -70,17 +82,13 @@ def evaluator(threads: Optional[int], onednn: bool = False):
             if kept is not graph_def:
                 graph_def, index = kept, updated_index(index, kept, gave)
         index = validate(graph_def, base.index, index)
-        shapes = None
-        if index.data_inputs == base.index.data_inputs:
-            # Order edges alone: the same nodes and data edges, so the same
-            # resolved shapes and sizes.
-            shapes = shapes_of(base.index)
-            if shapes is None:
-                shapes = sized(index, with_generated(base.props, index), base.facts.batch)
-            known[:] = [(weakref.ref(g), shapes) for g in (base.index, index)] + [
-                entry for entry in known
-                if entry[0]() not in (None, base.index, index)][:KNOWN_SHAPES - 2]
-        return analyze_graph(graph_def, index, base.props, base.facts.batch,
-                             threads, onednn, shapes=shapes)
+        shapes, priors = alike(index, base)
+        if shapes is None:
+            shapes = sized(index, with_generated(base.props, index), base.facts.batch)
+        analyzed = analyze_graph(graph_def, index, base.props, base.facts.batch,
+                                 threads, onednn, shapes=shapes, priors=priors)
+        known[:] = [(weakref.ref(index), shapes, analyzed.facts)] + [
+            entry for entry in known if entry[0]() not in (None, index)][:KNOWN_GRAPHS - 1]
+        return analyzed
 
     return evaluate
