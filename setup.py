@@ -10,7 +10,9 @@ install without build isolation:
                         SnDeviceBytesLimit, SnTensorMemoryType) and the host
                         tensor pool, loaded with tf.load_op_library;
   * sntf/_plugin*.so    the Grappler plugin shim: a pybind11 module that also
-                        exports TF_InitGraph and links libtensorflow_cc.so.2.
+                        exports TF_InitGraph and links libtensorflow_cc.so.2;
+  * sntf/_bfc_model*.so the allocator model's step (sntf.analysis.bfc), a
+                        pybind11 module without TensorFlow.
 
 It also installs sntf-startup.pth into site-packages, a one-line startup
 hook (see sntf_startup.py) that makes `SNTF_BUDGET=12GB python train.py`
@@ -83,7 +85,7 @@ class NativeExtension(Extension):
 
     def __init__(self, name, sources, kind):
         super().__init__(name, sources=sources)
-        self.kind = kind  # "ops" or "plugin"
+        self.kind = kind  # "ops", "plugin" or "model" (no TensorFlow)
 
 
 class BuildNative(build_ext):
@@ -97,9 +99,10 @@ class BuildNative(build_ext):
         os.makedirs(os.path.dirname(output), exist_ok=True)
         # -w: TensorFlow's headers emit thousands of deprecation warnings.
         command = ["g++", "-fPIC", "-O2", "-w", "-std=c++17"]
-        command += compile_flags
+        if ext.kind != "model":
+            command += compile_flags
         command += ["-I" + os.path.join(HERE, "tf_ops")]
-        if ext.kind == "plugin":
+        if ext.kind in ("plugin", "model"):
             import pybind11
 
             command += ["-I" + pybind11.get_include(),
@@ -113,7 +116,9 @@ class BuildNative(build_ext):
                 for source, obj in zip(ext.sources, objects)]
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             list(pool.map(_run, jobs))   # re-raises the first failure
-        link = ["g++", "-shared", "-fPIC"] + objects + ["-o", output] + link_flags
+        link = ["g++", "-shared", "-fPIC"] + objects + ["-o", output]
+        if ext.kind != "model":
+            link += link_flags
         if ext.kind == "plugin":
             # The TF_* grappler symbols live in libtensorflow_cc.so.2.
             link += ["-L" + tf_lib_dir, "-l:libtensorflow_cc.so.2"]
@@ -186,6 +191,7 @@ setup(
              "tf_ops/host_pool_capi.cc"],
             kind="ops"),
         NativeExtension("sntf._plugin", ["tf_ops/plugin.cc"], kind="plugin"),
+        NativeExtension("sntf._bfc_model", ["tf_ops/bfc_model.cc"], kind="model"),
     ],
     cmdclass=COMMANDS,
     zip_safe=False,

@@ -445,6 +445,50 @@ def test_a_variable_that_adopts_its_update_moves_the_next_steps_chunks():
     assert two == (5 * m, 7 * m, 7 * m, 3 * m // 2)   # v now holds u's 1.5 MiB chunk
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_native_allocator_model_steps_as_the_python_one(monkeypatch, seed):
+    """bfc.simulate runs the step on the native model (tf_ops/bfc_model.cc)
+    where sntf is built, as the planner does: on steps of many buffers,
+    scratch among them, handed over to variables, under limits that the
+    step fits and that it runs out of, with and without bytes held outside
+    the graph and regions that grow, it reports what BfcModel reports, to
+    the byte and to the step where it runs out."""
+    import random
+
+    assert bfc._native is not None, "sntf's native allocator model is not built"
+    rng = random.Random(seed)
+    m = 1 << 20
+    end = 400
+    persistent = {(k, 1) for k in range(40)}
+    sizes = {b: rng.choice((256, 3000, m // 3, m, 5 * m // 2, 9 * m)) for b in persistent}
+    intervals = {}
+    for k in range(600):
+        b = (k, rng.choice((0, 0, 0, -1)))        # -1: an op's scratch
+        start = rng.randrange(end)
+        intervals[b] = (start, start if b[1] == -1 else
+                        min(end + 5, start + int(rng.expovariate(1 / 30))))
+        sizes[b] = rng.choice((256, 777, 4096, m // 7, m, 3 * m, 17 * m, 150 * m))
+    handover = {b: (rng.randrange(40), 1) for b in rng.sample(sorted(intervals), 30)
+                if b[1] == 0}
+
+    def run(limit, outside, grows):
+        try:
+            return bfc.simulate(sizes, persistent, intervals, end, lambda b: b[1] == -1,
+                                limit=limit, outside=outside, grows=grows,
+                                handover=handover)
+        except bfc.OutOfMemory as e:
+            return ("out of memory", e.step, str(e))
+
+    settings = [(None, 0, True), (None, 5 * m, True)] + [
+        (limit * m, outside, grows) for limit in (300, 500, 900)
+        for outside in (0, 3 * m) for grows in (True, False)]
+    native = [run(*s) for s in settings]
+    monkeypatch.setattr(bfc, "_native", None)
+    assert native == [run(*s) for s in settings]
+    assert any(isinstance(r, tuple) and r[0] == "out of memory" for r in native)
+    assert any(isinstance(r, tuple) and r[0] != "out of memory" for r in native)
+
+
 def test_what_the_device_holds_outside_the_graph_shapes_the_graphs_chunks():
     """A dataset's tensors on the device take the allocator's first region:
     the graph's small buffer then splits the next one, and the free chunk

@@ -15,7 +15,8 @@ MAX_FUNCTION_LINES = 80
 # rewrite <- passes; only the runtime layer touches TensorFlow's runtime.
 ALLOWED = {
     "sntf.graph": {"sntf.graph"},
-    "sntf.analysis": {"sntf.graph", "sntf.analysis"},
+    # sntf._bfc_model: the allocator model's step, native, without TensorFlow.
+    "sntf.analysis": {"sntf.graph", "sntf.analysis", "sntf._bfc_model"},
     "sntf.planner": {"sntf.graph", "sntf.analysis", "sntf.planner"},
     "sntf.rewrite": {"sntf.graph", "sntf.analysis", "sntf.planner", "sntf.rewrite"},
     "sntf.report": {"sntf.graph", "sntf.planner"},

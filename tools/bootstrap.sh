@@ -28,13 +28,13 @@ echo "sntf bootstrap: installing dependencies (TensorFlow is large the first tim
 "$VPY" -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
 
 built_and_current() {
-  local ops plugin
-  ops=$(ls sntf/_sntf_ops*.so 2>/dev/null | head -n1) || true
-  plugin=$(ls sntf/_plugin*.so 2>/dev/null | head -n1) || true
-  [ -n "$ops" ] && [ -n "$plugin" ] || return 1
-  # Rebuild when any native source or the build script is newer.
-  [ -z "$(find tf_ops setup.py -newer "$ops" -print -quit)" ] || return 1
-  [ -z "$(find tf_ops setup.py -newer "$plugin" -print -quit)" ] || return 1
+  local lib
+  for pattern in _sntf_ops _plugin _bfc_model; do
+    lib=$(ls sntf/$pattern*.so 2>/dev/null | head -n1) || true
+    [ -n "$lib" ] || return 1
+    # Rebuild when any native source or the build script is newer.
+    [ -z "$(find tf_ops setup.py -newer "$lib" -print -quit)" ] || return 1
+  done
   "$VPY" -m pip show --quiet sntf >/dev/null 2>&1 || return 1
   # An environment set up before sntf had its startup hook lacks it.
   "$VPY" -c 'import os, sysconfig, sys; sys.exit(not os.path.isfile(os.path.join(sysconfig.get_paths()["purelib"], "sntf-startup.pth")))' || return 1

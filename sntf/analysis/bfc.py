@@ -25,6 +25,11 @@ import functools
 import threading
 from typing import Callable, Optional
 
+try:  # the native model (tf_ops/bfc_model.cc), where sntf is built
+    from sntf import _bfc_model as _native
+except ImportError:  # pragma: no cover - a source checkout not yet built
+    _native = None
+
 MIN_ALLOCATION_BITS = 8
 MIN_ALLOCATION = 1 << MIN_ALLOCATION_BITS          # 256 bytes
 NUM_BINS = 21
@@ -259,8 +264,6 @@ def simulate(buffer_bytes: dict, persistent, intervals: dict, end: int,
     """
     first = INITIAL_REGION_BYTES if grows or limit is None else limit
     kept = sorted(persistent)
-    sim, chunks = _before_step(first, limit, outside, tuple(buffer_bytes[b] for b in kept))
-    held = dict(zip(kept, chunks))
     allocs = collections.defaultdict(list)
     frees = collections.defaultdict(list)
     for b, (start, stop) in intervals.items():
@@ -272,11 +275,58 @@ def simulate(buffer_bytes: dict, persistent, intervals: dict, end: int,
         for step_list in lists.values():
             step_list.sort()
     handover = handover or {}
+    if _native is not None:
+        return _natively(first, limit, outside, kept, buffer_bytes, intervals, allocs, frees,
+                         end, handover)
+    sim, chunks = _before_step(first, limit, outside, tuple(buffer_bytes[b] for b in kept))
+    held = dict(zip(kept, chunks))
     series = _run_step(sim, buffer_bytes, allocs, frees, end, held, handover)
     if handover:
         series = tuple(max(a, b) for a, b in zip(
             series, _run_step(sim, buffer_bytes, allocs, frees, end, held, handover)))
     return series
+
+
+def _natively(first: int, limit: Optional[int], outside: int, kept: list, buffer_bytes: dict,
+              intervals: dict, allocs: dict, frees: dict, end: int,
+              handover: dict) -> tuple[int, ...]:
+    """simulate's step on the native model (tf_ops/bfc_model.cc), which
+    follows BfcModel rule for rule: the events as arrays of buffer ids."""
+    ids: dict = {}
+    sizes: list = []
+
+    def id_of(b):
+        k = ids.get(b)
+        if k is None:
+            k = ids[b] = len(sizes)
+            sizes.append(buffer_bytes[b])
+        return k
+
+    steps = sorted(k for k in set(allocs) | set(frees) if 0 <= k < end)
+    alloc_start, alloc_ids, free_start, free_ids = [0], [], [0], []
+    for step in steps:
+        alloc_ids.extend(id_of(b) for _, b in allocs.get(step, ()))
+        alloc_start.append(len(alloc_ids))
+        free_ids.extend(id_of(b) for _, b in frees.get(step, ()))
+        free_start.append(len(free_ids))
+    slot = {b: k for k, b in enumerate(kept)}
+    handed = [-1] * len(sizes)
+    for b, target in handover.items():
+        if b in ids and target in slot:
+            handed[ids[b]] = slot[target]
+    # What is live at the step's end is freed by buffer, as _run_step does.
+    last = [ids[b] for b in sorted(b for b, (start, stop) in intervals.items()
+                                   if stop >= end and b in ids)]
+    series, failed = _native.simulate(
+        first, -1 if limit is None else limit, outside, [buffer_bytes[b] for b in kept],
+        sizes, steps, alloc_start, alloc_ids, free_start, free_ids, handed, last, end,
+        bool(handover))
+    if failed is not None:
+        step, size, reserved, at_most = failed
+        e = OutOfMemory(f"{size} bytes with {reserved} of {at_most} reserved")
+        e.step = step
+        raise e
+    return tuple(series)
 
 
 # The allocator with what exists before a step allocated, for the last few
