@@ -292,31 +292,24 @@ def _natively(first: int, limit: Optional[int], outside: int, kept: list, buffer
               handover: dict) -> tuple[int, ...]:
     """simulate's step on the native model (tf_ops/bfc_model.cc), which
     follows BfcModel rule for rule: the events as arrays of buffer ids."""
-    ids: dict = {}
-    sizes: list = []
-
-    def id_of(b):
-        k = ids.get(b)
-        if k is None:
-            k = ids[b] = len(sizes)
-            sizes.append(buffer_bytes[b])
-        return k
-
+    ids = {b: k for k, b in enumerate(intervals)}
+    sizes = [buffer_bytes[b] for b in intervals]
     steps = sorted(k for k in set(allocs) | set(frees) if 0 <= k < end)
     alloc_start, alloc_ids, free_start, free_ids = [0], [], [0], []
+    none: list = []
     for step in steps:
-        alloc_ids.extend(id_of(b) for _, b in allocs.get(step, ()))
+        alloc_ids += [ids[b] for _, b in allocs.get(step, none)]
         alloc_start.append(len(alloc_ids))
-        free_ids.extend(id_of(b) for _, b in frees.get(step, ()))
+        free_ids += [ids[b] for _, b in frees.get(step, none)]
         free_start.append(len(free_ids))
     slot = {b: k for k, b in enumerate(kept)}
     handed = [-1] * len(sizes)
     for b, target in handover.items():
         if b in ids and target in slot:
             handed[ids[b]] = slot[target]
-    # What is live at the step's end is freed by buffer, as _run_step does.
-    last = [ids[b] for b in sorted(b for b, (start, stop) in intervals.items()
-                                   if stop >= end and b in ids)]
+    # What is live at the step's end is freed (free chunks coalesce alike
+    # in any order).
+    last = [ids[b] for b, (start, stop) in intervals.items() if stop >= end and 0 <= start < end]
     series, failed = _native.simulate(
         first, -1 if limit is None else limit, outside, [buffer_bytes[b] for b in kept],
         sizes, steps, alloc_start, alloc_ids, free_start, free_ids, handed, last, end,
