@@ -178,3 +178,41 @@ def test_the_index_of_every_tried_plan_equals_a_full_build(monkeypatch):
     assert not differ
     # oneDNN's merges were kept again: an updated index updated once more.
     assert len(made) >= 20 and any(again for _, again in made)
+
+
+def test_every_tried_graph_is_held_serialized_and_reads_back_as_made(monkeypatch):
+    """A tried graph is held as its GraphDef's bytes (analysis.Analyzed.packed):
+    the stages hold several at once, and on a deep network their parsed
+    GraphDefs took most of the pass's memory. Each read gives the graph the
+    rewrite made, as a message of its own."""
+    from sntf import analysis, rewrite
+
+    made, tried = {}, []    # id of the analysis -> the graph's bytes; the tries
+
+    def recorded(graph_def, *args, **kwargs):
+        got = analysis.analyze_graph(graph_def, *args, **kwargs)
+        made[id(got.facts)] = graph_def.SerializeToString(deterministic=True)
+        return got
+
+    def evaluator(*args, **kwargs):
+        evaluate = real(*args, **kwargs)
+
+        def kept(plan, base):
+            got = evaluate(plan, base)
+            if got is not None:
+                tried.append(got)
+            return got
+        return kept
+
+    real = rewrite.evaluator
+    monkeypatch.setattr(rewrite, "analyze_graph", recorded)
+    monkeypatch.setattr(rewrite, "evaluator", evaluator)
+    entry = corpus.load(os.path.join(FOLDER, "family-unet.json.gz"))
+    corpus.replay(entry, corpus.config("swap+recompute"))
+    assert len(tried) >= 5
+    for got in tried:
+        assert isinstance(got.stored, analysis.Packed)
+        first = got.graph_def
+        assert first.SerializeToString(deterministic=True) == made[id(got.facts)]
+        del first.node[:]
+        assert len(got.graph_def.node) == len(got.index)

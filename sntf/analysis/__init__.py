@@ -18,7 +18,7 @@ set of a single op.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from sntf.analysis.costs import (DEFAULT_COST_MODEL, CostModel, op_seconds,
                                  workspace_bytes)
@@ -32,7 +32,7 @@ from sntf.analysis.shapes import (Properties, SymbolicSize, decode_properties,
 from sntf.graph.index import GraphIndex
 
 __all__ = [
-    "ACTIVATION", "Analysis", "Analyzed", "CostModel", "DEFAULT_COST_MODEL",
+    "ACTIVATION", "Analysis", "Analyzed", "Packed", "CostModel", "DEFAULT_COST_MODEL",
     "GRADIENT", "PERSISTENT", "Properties", "SCRATCH_PORT", "Sized", "SymbolicSize",
     "TEMPORARY", "TENSOR_CLASSES", "Timeline", "VARIABLE_PORT", "analyze",
     "analyze_graph", "decode_properties", "has_unknown_dims", "op_seconds",
@@ -41,16 +41,48 @@ __all__ = [
 ]
 
 
+class Packed(NamedTuple):
+    """A GraphDef held serialized: its message class and its bytes."""
+
+    kind: type
+    data: bytes
+
+
 @dataclasses.dataclass(frozen=True)
 class Analyzed:
-    """One graph as the stages hand it on: the GraphDef, its index, the
+    """One graph as the stages hand it on: its GraphDef, its index, the
     static properties of its nodes (decoded, sntf's own nodes included) and
-    its analysis."""
+    its analysis.
 
-    graph_def: object
+    `stored` is the GraphDef, or for a graph the planner tries, the GraphDef
+    serialized (`packed`): a deep network's stages hold several tried graphs
+    at once, and a parsed GraphDef takes about three times its serialized
+    bytes. Whether two Analyzed hold the same graph is `stored is`."""
+
+    stored: object
     index: GraphIndex
     props: dict
     facts: Analysis
+
+    @property
+    def graph_def(self):
+        """The GraphDef; one held packed is parsed anew on each read, so a
+        caller that reads it often keeps what it read."""
+        if isinstance(self.stored, Packed):
+            return self.stored.kind.FromString(self.stored.data)
+        return self.stored
+
+    def packed(self) -> "Analyzed":
+        """This graph with its GraphDef held serialized.
+
+        Returns:
+          An Analyzed with the same index, properties and analysis.
+        """
+        if isinstance(self.stored, Packed):
+            return self
+        graph_def = self.stored
+        return dataclasses.replace(
+            self, stored=Packed(type(graph_def), graph_def.SerializeToString()))
 
     @property
     def peak(self) -> int:

@@ -246,7 +246,7 @@ def fit_budget(base, ctx: Context, sources: tuple, name: str = "") -> Fitted:
         if ctx.options.budget_behaviour == "unchanged":
             return Fitted(identity_plan("auto", note), None, choice, candidates, warning)
     plan = dataclasses.replace(plan, policy="auto", notes=(note,))
-    if planned is None or planned.graph_def is base.graph_def:
+    if planned is None or planned.stored is base.stored:
         return Fitted(plan, None, choice, candidates, warning)
     # As in the recompute stage: swaps and clones keep reads alive too.
     plan, planned = updates_in_place(plan, planned, base, ctx)

@@ -403,7 +403,7 @@ def _composed(policy: str, composition, base, ctx: Context, proposals: dict,
     run = composition.run(base, ctx, proposals, rival)
     if run.void:
         return None
-    modified = run.current.graph_def is not base.graph_def
+    modified = run.current.stored is not base.stored
     notes, headroom = list(run.notes), None
     cache_budget = ctx.budget if run.swaps else None
     if cache_budget is not None:

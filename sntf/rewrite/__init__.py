@@ -89,6 +89,7 @@ def evaluator(threads: Optional[int], onednn: bool = False):
                                  threads, onednn, shapes=shapes, priors=priors)
         known[:] = [(weakref.ref(index), shapes, analyzed.facts)] + [
             entry for entry in known if entry[0]() not in (None, index)][:KNOWN_GRAPHS - 1]
-        return analyzed
+        # A tried graph is held serialized until a stage reads it.
+        return analyzed.packed()
 
     return evaluate
