@@ -449,7 +449,7 @@ def graph_device(index) -> str:
 
 def _on_gpu(index) -> bool:
     """Whether any node of the graph is placed on a GPU."""
-    return any(graph.on_gpu(d) for d in index.devices if d)
+    return any(graph.on_gpu(d) for d in set(index.devices) if d)
 
 
 def _budget_bytes(state: config.State, index, env: Environment) -> Optional[int]:

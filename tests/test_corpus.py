@@ -156,6 +156,7 @@ def test_the_index_of_every_tried_plan_equals_a_full_build(monkeypatch):
     (graph.updated_index) instead of indexing the result anew: every index
     they make, oneDNN's merges kept included, must equal the full build."""
     from sntf import graph, rewrite
+    from sntf.graph import fusions
     from sntf.rewrite import sums
 
     made = []    # (the index updated, whether it was one made here)
@@ -163,8 +164,12 @@ def test_the_index_of_every_tried_plan_equals_a_full_build(monkeypatch):
 
     def checked(before, graph_def, touched):
         got = graph.updated_index(before, graph_def, touched)
-        if got != graph.build_index(graph_def, [before.names[i] for i in before.fetch],
-                                    [before.names[i] for i in before.preserve]):
+        built = graph.build_index(graph_def, [before.names[i] for i in before.fetch],
+                                  [before.names[i] for i in before.preserve])
+        # What an index keeps of its data edges (graph.GraphIndex.of_data_edges)
+        # is carried where control edges alone changed: it must be the graph's.
+        if (got != built or got.topo != built.topo or got.has_cycles != built.has_cycles
+                or fusions.merge_pairs(got) != fusions.merge_pairs(built)):
             differ.append(len(made))
         made.append((got, any(before is g for g, _ in made)))
         return got
@@ -216,3 +221,33 @@ def test_every_tried_graph_is_held_serialized_and_reads_back_as_made(monkeypatch
         assert first.SerializeToString(deterministic=True) == made[id(got.facts)]
         del first.node[:]
         assert len(got.graph_def.node) == len(got.index)
+
+
+def test_the_liveness_fast_paths_place_every_buffer_as_the_general_rule(monkeypatch):
+    """Liveness places most ops' outputs inline (a buffer of its own, a
+    forwarding kernel's takeover, a view's share) and the rest by _place,
+    the general rule: on real graphs, both must give every tensor the same
+    buffer over the same steps."""
+    from tensorflow.core.framework import graph_pb2
+
+    from sntf import analysis, graph
+    from sntf.analysis import liveness
+
+    placing, kinds = liveness._placing, set()
+    for name in ("zoo-allconv_swish", "family-unet", "zoo-gpt", "family-transformer"):
+        entry = corpus.load(os.path.join(FOLDER, name + ".json.gz"))
+        index = graph.build_index(graph_pb2.GraphDef.FromString(entry.graph),
+                                  entry.fetch, entry.preserve)
+        props = analysis.decode_properties(
+            {n: entry.properties[n] for n in index.names if n in entry.properties})
+        shapes = analysis.sized(index, props, entry.runtime_batch or 8)
+        order = analysis.schedule(index)
+        kinds.update(placing(index.ops))
+        runs = []
+        for rule in (placing, lambda ops: [liveness._SPECIAL] * len(ops)):
+            monkeypatch.setattr(liveness, "_placing", rule)
+            live = liveness.Liveness(index, order, shapes.properties, shapes.sizes)
+            runs.append((live.owner, dict(live.tensors), live.buffer_bytes,
+                         live.intervals(), live.persistent))
+        assert runs[0] == runs[1], name
+    assert {liveness._PLAIN, liveness._FORWARD, liveness._ALIAS} <= kinds

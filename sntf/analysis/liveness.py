@@ -21,15 +21,23 @@ from sntf.graph.training import handle_root
 
 
 # How Liveness places an op's outputs (_placing): most ops allocate each
-# output a buffer of its own (PLAIN); the others are decided per output.
-_PLAIN, _SPECIAL = 0, 1
+# output a buffer of its own (_PLAIN); a forwarding kernel takes over an
+# input's buffer where it can (_FORWARD); a view shares its input's buffer
+# (_ALIAS); a handle or a resource op holds none (_FREE); the others, and
+# what the fast paths do not settle, are decided per output (_place).
+_PLAIN, _FORWARD, _ALIAS, _FREE, _SPECIAL = range(5)
 
 
 def _placing(ops: tuple) -> list:
-    """Per op, _PLAIN or _SPECIAL (Liveness._place decides)."""
-    special = (optable.REDUCTION_OPS | optable.FREE_OPS | optable.ALIAS_OPS
-               | optable.PERSISTENT_OPS | optable.FORWARDING_OPS)
-    return [_SPECIAL if op in special else _PLAIN for op in ops]
+    """Per op, how its outputs are placed, in the order _place tests."""
+    kinds = {}
+    for op in set(ops):
+        kinds[op] = (_SPECIAL if op in optable.REDUCTION_OPS else
+                     _FREE if op in optable.FREE_OPS else
+                     _ALIAS if op in optable.ALIAS_OPS else
+                     _SPECIAL if op in optable.PERSISTENT_OPS else
+                     _FORWARD if op in optable.FORWARDING_OPS else _PLAIN)
+    return [kinds[op] for op in ops]
 
 
 class Liveness:
@@ -132,26 +140,43 @@ class Liveness:
     def _run_all(self) -> None:
         """Places every op's outputs, step by step, and extends the life of
         every buffer an op reads and writes to its step (steps run in order:
-        each is the latest yet)."""
+        each is the latest yet). The common cases are _place's, inline."""
         owner, free, place = self.owner, self.buffer_free, self._place
         data_inputs, outputs_of = self.g.data_inputs, self.outputs_of
         placing, sizes, tensors = _placing(self.g.ops), self.sizes, self.tensors
         buffer_bytes, buffer_alloc = self.buffer_bytes, self.buffer_alloc
+        forwardable = self._forwardable_input
         for s, i in enumerate(self.order):
-            outputs = outputs_of[i]
-            if placing[i] == _PLAIN:
-                # Each output with bytes gets a buffer of its own (_allocate).
+            outputs, inputs, kind = outputs_of[i], data_inputs[i], placing[i]
+            if kind == _PLAIN or kind == _FORWARD:
+                # Each output with bytes gets a buffer of its own (_allocate),
+                # but where a forwarding kernel takes over an input's.
                 for t in outputs:
                     n = sizes.get(t, 0)
-                    if n:
+                    if not n:
+                        continue
+                    b = (forwardable(inputs, rounded(n), s)
+                         if kind == _FORWARD and t[1] == 0 else None)
+                    if b is None:
                         owner[t] = t
                         tensors[t].append(t)
                         buffer_bytes[t] = rounded(n)
                         buffer_alloc[t] = s
-            else:
+                    else:
+                        owner[t] = b
+                        tensors[b].append(t)
+            elif kind == _ALIAS:
+                for t in outputs:
+                    if sizes.get(t, 0) and inputs and inputs[0] in owner:
+                        b = owner[inputs[0]]
+                        owner[t] = b
+                        tensors[b].append(t)
+                    else:
+                        place(s, i, t)
+            elif kind == _SPECIAL:
                 for t in outputs:
                     place(s, i, t)
-            for t in data_inputs[i]:
+            for t in inputs:
                 b = owner.get(t)
                 if b is not None:
                     free[b] = s

@@ -56,6 +56,10 @@ def merge_pairs(g) -> tuple:
     Returns:
       MergePair values, in node order.
     """
+    return g.of_data_edges("merge_pairs", _merge_pairs)
+
+
+def _merge_pairs(g) -> tuple:
     pairs = []
     for node, op in enumerate(g.ops):
         inputs = g.data_inputs[node]

@@ -79,10 +79,8 @@ class GraphIndex:
     control_inputs: tuple[tuple[int, ...], ...]
     consumers: tuple[tuple[tuple[int, int, int], ...], ...]
     control_consumers: tuple[tuple[int, ...], ...]
-    topo: tuple[int, ...]
     fetch: frozenset
     preserve: frozenset
-    has_cycles: bool
     sntf_nodes: tuple[int, ...]
     frames: tuple[str, ...] = ()
 
@@ -120,6 +118,27 @@ class GraphIndex:
         order of `consumers`."""
         return tuple(tuple(c for c, _, _ in cs) for cs in self.consumers)
 
+    # The topological order, made the first time it or has_cycles is read:
+    # of the graphs the planner tries, most are compared by their peaks and
+    # dropped, and a try that keeps oneDNN's merges is indexed twice.
+    @functools.cached_property
+    def _ordered(self) -> tuple:
+        order, has_cycles = _topological_order(
+            self.ops, self.data_inputs, self.control_inputs, self.consumers,
+            self.control_consumers)
+        return tuple(order), has_cycles
+
+    @property
+    def topo(self) -> tuple:
+        """A topological order (NextIteration back edges ignored; lowest
+        index first among ready nodes)."""
+        return self._ordered[0]
+
+    @property
+    def has_cycles(self) -> bool:
+        """Whether a cycle remains besides NextIteration back edges."""
+        return self._ordered[1]
+
     @functools.cached_property
     def data_topo(self) -> tuple:
         """A topological order of the data edges alone (lowest index first
@@ -129,6 +148,23 @@ class GraphIndex:
         order, _ = _topological_order(self.ops, self.data_inputs, ((),) * n,
                                       self.consumers, ((),) * n)
         return tuple(order)
+
+    def of_data_edges(self, kind: str, compute: Callable):
+        """compute(self), kept with the index under `kind`, for what depends
+        on the nodes and their data edges alone: an index updated from this
+        one by control edges alone (updated_index, an order tried) keeps it.
+
+        Args:
+          kind: the name it is kept under.
+          compute: index -> value.
+
+        Returns:
+          The value.
+        """
+        kept = self.__dict__.setdefault("_of_data_edges", {})
+        if kind not in kept:
+            kept[kind] = compute(self)
+        return kept[kind]
 
     @functools.cached_property
     def readers(self) -> tuple:
@@ -170,8 +206,6 @@ def build_index(graph_def, fetch: Iterable[str] = (),
         data_inputs.append(data)
         control_inputs.append(control)
     ops = tuple(node.op for node in nodes)
-    topo, has_cycles = _topological_order(ops, data_inputs, control_inputs,
-                                          consumers, control_consumers)
 
     def existing(names_: Iterable[str]) -> frozenset:
         return frozenset(index[parse_input(x)[0]] for x in names_
@@ -183,8 +217,7 @@ def build_index(graph_def, fetch: Iterable[str] = (),
         data_inputs=tuple(data_inputs), control_inputs=tuple(control_inputs),
         consumers=tuple(tuple(c) for c in consumers),
         control_consumers=tuple(tuple(c) for c in control_consumers),
-        topo=tuple(topo), fetch=existing(fetch), preserve=existing(preserve),
-        has_cycles=has_cycles,
+        fetch=existing(fetch), preserve=existing(preserve),
         sntf_nodes=tuple(i for i, node in enumerate(nodes) if names.role_of(node)),
         frames=tuple(_frame_name(node) for node in nodes))
 
@@ -245,22 +278,22 @@ def updated_index(before: GraphIndex, graph_def, touched: Iterable[str]) -> Grap
             [c for c in control_consumers[p] if c not in moved] + edges))
     new = nodes[n:]
     ops = before.ops + tuple(node.op for node in new)
-    topo, has_cycles = _topological_order(ops, data_inputs, control_inputs,
-                                          consumers, control_consumers)
     after = GraphIndex(
         names=before.names + tuple(node.name for node in new), ops=ops,
         devices=before.devices + tuple(node.device for node in new), index=index,
         data_inputs=tuple(data_inputs), control_inputs=tuple(control_inputs),
         consumers=tuple(consumers), control_consumers=tuple(control_consumers),
-        topo=tuple(topo), fetch=before.fetch, preserve=before.preserve,
-        has_cycles=has_cycles,
+        fetch=before.fetch, preserve=before.preserve,
         sntf_nodes=before.sntf_nodes + tuple(n + k for k, node in enumerate(new)
                                              if names.role_of(node)),
         frames=before.frames + tuple(_frame_name(node) for node in new))
-    if m == n and "data_topo" in before.__dict__ and all(
-            data_inputs[i] == before.data_inputs[i] for i in changed):
-        # Control edges alone changed: the data edges' order stands.
-        after.__dict__["data_topo"] = before.data_topo
+    if m == n and all(data_inputs[i] == before.data_inputs[i] for i in changed):
+        # Control edges alone changed: the data edges' order stands, and
+        # what else depends on the data edges alone.
+        if "data_topo" in before.__dict__:
+            after.__dict__["data_topo"] = before.data_topo
+        if "_of_data_edges" in before.__dict__:
+            after.__dict__["_of_data_edges"] = dict(before.__dict__["_of_data_edges"])
     return after
 
 
