@@ -205,21 +205,23 @@ class Liveness:
 
     def _forwardable_input(self, inputs, need: int, step: int):
         """The buffer of an input this op reads last and can overwrite, if any."""
-        owner = self.owner
+        owner, persistent, fetched = self.owner, self.persistent, self.fetched
+        last_use = self.last_use
         for t in inputs:
             b = owner.get(t)
-            if (b is None or b in self.persistent or t in self.fetched
-                    or b not in self.buffer_bytes):
+            if b is None or b in persistent or t in fetched:
                 continue
-            if self.buffer_bytes[b] != need:
+            # need > 0: a buffer of another size, or none, is not taken over.
+            if self.buffer_bytes.get(b) != need:
                 continue
             # Every tensor living in the buffer must be done by this step.
             if self.buffer_free.get(b, -1) > step:
                 continue
-            if any(self.last_use.get(other, -1) > step or other in self.fetched
-                   for other in self.tensors[b]):
-                continue
-            return b
+            for other in self.tensors[b]:
+                if last_use.get(other, -1) > step or other in fetched:
+                    break
+            else:
+                return b
         return None
 
     def input_shapes(self, i: int) -> list:
@@ -278,8 +280,9 @@ class Liveness:
 
     def intervals(self) -> dict:
         """Buffer -> (allocating step, last step), persistent buffers aside."""
-        return {b: (self.buffer_alloc[b], self.buffer_free.get(b, self.buffer_alloc[b]))
-                for b in self.buffer_bytes if b not in self.persistent}
+        alloc, free, persistent = self.buffer_alloc, self.buffer_free, self.persistent
+        return {b: (start, free.get(b, start)) for b, start in alloc.items()
+                if b not in persistent}
 
 
 def outputs_of(g: GraphIndex, properties) -> list:
