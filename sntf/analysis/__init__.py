@@ -32,9 +32,9 @@ from sntf.analysis.shapes import (Properties, SymbolicSize, decode_properties,
 from sntf.graph.index import GraphIndex
 
 __all__ = [
-    "ACTIVATION", "Analysis", "Analyzed", "Packed", "CostModel", "DEFAULT_COST_MODEL",
-    "GRADIENT", "PERSISTENT", "Properties", "SCRATCH_PORT", "Sized", "SymbolicSize",
-    "TEMPORARY", "TENSOR_CLASSES", "Timeline", "VARIABLE_PORT", "analyze",
+    "ACTIVATION", "Analysis", "Analyzed", "CostModel", "DEFAULT_COST_MODEL",
+    "GRADIENT", "PERSISTENT", "Packed", "Properties", "SCRATCH_PORT", "Sized",
+    "SymbolicSize", "TEMPORARY", "TENSOR_CLASSES", "Timeline", "VARIABLE_PORT", "analyze",
     "analyze_graph", "decode_properties", "has_unknown_dims", "op_seconds",
     "resolve_symbolic_dims", "rounded", "schedule", "sized", "tensor_size",
     "with_generated", "with_outside", "workspace_bytes",
@@ -56,7 +56,7 @@ class Analyzed:
 
     `stored` is the GraphDef, or for a graph the planner tries, the GraphDef
     serialized (`packed`): a deep network's stages hold several tried graphs
-    at once, and a parsed GraphDef takes about three times its serialized
+    at once, and a parsed GraphDef takes several times its serialized
     bytes. Whether two Analyzed hold the same graph is `stored is`."""
 
     stored: object
