@@ -1,8 +1,8 @@
 """Build and install sntf.
 
-The two native libraries are compiled with g++ against the TensorFlow that is
-already installed in the target environment (their ABI is tied to it), so
-install without build isolation:
+The native libraries are compiled with g++ against the TensorFlow that is
+already installed in the target environment (the first two link it, and their
+ABI is tied to it), so install without build isolation:
 
     pip install --no-build-isolation -e .
 
@@ -12,7 +12,10 @@ install without build isolation:
   * sntf/_plugin*.so    the Grappler plugin shim: a pybind11 module that also
                         exports TF_InitGraph and links libtensorflow_cc.so.2;
   * sntf/_bfc_model*.so the allocator model's step (sntf.analysis.bfc), a
-                        pybind11 module without TensorFlow.
+                        pybind11 module without TensorFlow;
+  * sntf/_graph_walks*.so the index's topological order and the executor's
+                        order (sntf.graph.index, sntf.analysis.schedule),
+                        a pybind11 module without TensorFlow.
 
 It also installs sntf-startup.pth into site-packages, a one-line startup
 hook (see sntf_startup.py) that makes `SNTF_BUDGET=12GB python train.py`
@@ -192,6 +195,7 @@ setup(
             kind="ops"),
         NativeExtension("sntf._plugin", ["tf_ops/plugin.cc"], kind="plugin"),
         NativeExtension("sntf._bfc_model", ["tf_ops/bfc_model.cc"], kind="model"),
+        NativeExtension("sntf._graph_walks", ["tf_ops/graph_walks.cc"], kind="model"),
     ],
     cmdclass=COMMANDS,
     zip_safe=False,

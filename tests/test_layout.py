@@ -14,9 +14,11 @@ MAX_FUNCTION_LINES = 80
 # What each stage may import from sntf: graph <- analysis <- planner <-
 # rewrite <- passes; only the runtime layer touches TensorFlow's runtime.
 ALLOWED = {
-    "sntf.graph": {"sntf.graph"},
-    # sntf._bfc_model: the allocator model's step, native, without TensorFlow.
-    "sntf.analysis": {"sntf.graph", "sntf.analysis", "sntf._bfc_model"},
+    # sntf._graph_walks: the topological and the executor's order, native,
+    # without TensorFlow; sntf._bfc_model: the allocator model's step, alike.
+    "sntf.graph": {"sntf.graph", "sntf._graph_walks"},
+    "sntf.analysis": {"sntf.graph", "sntf.analysis", "sntf._bfc_model",
+                      "sntf._graph_walks"},
     "sntf.planner": {"sntf.graph", "sntf.analysis", "sntf.planner"},
     "sntf.rewrite": {"sntf.graph", "sntf.analysis", "sntf.planner", "sntf.rewrite"},
     "sntf.report": {"sntf.graph", "sntf.planner"},

@@ -29,7 +29,7 @@ echo "sntf bootstrap: installing dependencies (TensorFlow is large the first tim
 
 built_and_current() {
   local lib
-  for pattern in _sntf_ops _plugin _bfc_model; do
+  for pattern in _sntf_ops _plugin _bfc_model _graph_walks; do
     lib=$(ls sntf/$pattern*.so 2>/dev/null | head -n1) || true
     [ -n "$lib" ] || return 1
     # Rebuild when any native source or the build script is newer.

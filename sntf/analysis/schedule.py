@@ -7,7 +7,13 @@ import operator
 from typing import Mapping, Optional
 
 from sntf.graph import optable
-from sntf.graph.index import GraphIndex, back_edges, inputs_waited_for
+from sntf.graph.index import (GraphIndex, back_edge_flags, back_edges, int_objects,
+                              inputs_waited_for)
+
+try:  # the native walks (tf_ops/graph_walks.cc), where sntf is built
+    from sntf import _graph_walks as _walks
+except ImportError:  # pragma: no cover - a source checkout not yet built
+    _walks = None
 
 
 def schedule(g: GraphIndex, consumers_last_first: bool = False,
@@ -40,6 +46,18 @@ def schedule(g: GraphIndex, consumers_last_first: bool = False,
     Returns:
       Node indices in execution order (all nodes; cycles broken in index order).
     """
+    if _walks is not None:
+        # The same walk in C++ (tf_ops/graph_walks.cc).
+        return tuple(_walks.schedule(
+            g.data_inputs, g.control_inputs, g.consumers, g.control_consumers,
+            back_edge_flags(g.ops), bytes(op in optable.INEXPENSIVE_OPS for op in g.ops),
+            consumers_last_first, dict(merged or {}), int_objects(len(g.ops))))
+    return _python_schedule(g, consumers_last_first, merged)
+
+
+def _python_schedule(g: GraphIndex, consumers_last_first: bool = False,
+                     merged: Optional[Mapping[int, int]] = None) -> tuple[int, ...]:
+    """schedule in Python: the reference for the native walk."""
     n = len(g.names)
     back_edge = back_edges(g.ops)
     pending = inputs_waited_for(g.data_inputs, g.control_inputs, back_edge)

@@ -16,6 +16,11 @@ from typing import Callable, Iterable, Optional
 
 from sntf.graph import names, optable
 
+try:  # the native walks (tf_ops/graph_walks.cc), where sntf is built
+    from sntf import _graph_walks as _walks
+except ImportError:  # pragma: no cover - a source checkout not yet built
+    _walks = None
+
 
 class GraphError(ValueError):
     """The GraphDef is malformed in a way the pass cannot model."""
@@ -335,7 +340,36 @@ def inputs_waited_for(data_inputs, control_inputs, back_edge: set) -> list:
 
 def _topological_order(ops, data_inputs, control_inputs, consumers,
                        control_consumers) -> tuple[list[int], bool]:
-    """Kahn's algorithm, lowest index first among ready nodes (stable)."""
+    """Kahn's algorithm, lowest index first among ready nodes (stable);
+    natively where sntf is built (tf_ops/graph_walks.cc)."""
+    if _walks is not None:
+        return _walks.topological_order(
+            data_inputs, control_inputs, consumers, control_consumers,
+            back_edge_flags(ops), int_objects(len(ops)))
+    return _python_topological_order(ops, data_inputs, control_inputs, consumers,
+                                     control_consumers)
+
+
+_INTS: list = []    # 0, 1, 2 ...: the int objects native walks return
+
+
+def int_objects(n: int) -> list:
+    """A list holding the ints 0 to at least n - 1, one object each, shared
+    by every order a native walk returns: an analysis keeps its schedule,
+    and its node numbers then cost no more than Python's own."""
+    if len(_INTS) < n:
+        _INTS.extend(range(len(_INTS), n))
+    return _INTS
+
+
+def back_edge_flags(ops) -> bytes:
+    """Per node, 1 where its out-edges are a loop's back edges (back_edges)."""
+    return bytes(op in optable.NEXT_ITERATION_OPS for op in ops)
+
+
+def _python_topological_order(ops, data_inputs, control_inputs, consumers,
+                              control_consumers) -> tuple[list[int], bool]:
+    """_topological_order in Python: the reference for the native walk."""
     n = len(ops)
     back_edge_sources = back_edges(ops)
     indegree = inputs_waited_for(data_inputs, control_inputs, back_edge_sources)
