@@ -61,20 +61,51 @@ long Head(PyObject* item) {
   return AsIndex(PyTuple_GET_ITEM(item, 0));
 }
 
-// Per node, its edges as node lists: `heads` takes the first element of
-// each item (inputs, data consumers), otherwise items are node indices.
-std::vector<std::vector<int>> Lists(py::handle per_node, bool heads, Py_ssize_t n,
-                                    const char* what) {
-  Items nodes(per_node, what);
-  if (nodes.size() != n) throw py::value_error(std::string(what) + ": wrong length");
-  std::vector<std::vector<int>> out(n);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    Items edges(nodes.at(i), what);
-    out[i].reserve(edges.size());
-    for (Py_ssize_t k = 0; k < edges.size(); ++k) {
-      const long v = heads ? Head(edges.at(k)) : AsIndex(edges.at(k));
-      if (v < 0 || v >= n) throw py::index_error(std::string(what) + ": node out of range");
-      out[i].push_back(static_cast<int>(v));
+// Per node, its edges, all in one array: node i's are items[start[i]] up
+// to items[start[i + 1]] (a deep network's index has hundreds of thousands
+// of nodes, and a vector per node would cost the walk more than it saves).
+struct Edges {
+  std::vector<int> start{0};
+  std::vector<int> items;
+
+  const int* begin(int i) const { return items.data() + start[i]; }
+  const int* end(int i) const { return items.data() + start[i + 1]; }
+};
+
+// Reads node i's entries of `per_node` into `out`: `heads` takes the first
+// element of each (inputs, data consumers), otherwise they are node
+// indices; reversed where `reverse`.
+void Append(const Items& nodes, Py_ssize_t i, bool heads, bool reverse, Py_ssize_t n,
+            const char* what, Edges* out) {
+  Items edges(nodes.at(i), what);
+  const size_t first = out->items.size();
+  for (Py_ssize_t k = 0; k < edges.size(); ++k) {
+    const long v = heads ? Head(edges.at(k)) : AsIndex(edges.at(k));
+    if (v < 0 || v >= n) throw py::index_error(std::string(what) + ": node out of range");
+    out->items.push_back(static_cast<int>(v));
+  }
+  if (reverse) std::reverse(out->items.begin() + first, out->items.end());
+}
+
+// Per node, the entries of `first`, then those of `second` (if given).
+Edges Lists(py::handle first, bool heads, bool reverse, py::handle second, Py_ssize_t n,
+            const char* what) {
+  Items a(first, what);
+  if (a.size() != n) throw py::value_error(std::string(what) + ": wrong length");
+  Edges out;
+  out.start.reserve(n + 1);
+  if (second) {
+    Items b(second, what);
+    if (b.size() != n) throw py::value_error(std::string(what) + ": wrong length");
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      Append(a, i, heads, reverse, n, what, &out);
+      Append(b, i, false, false, n, what, &out);
+      out.start.push_back(static_cast<int>(out.items.size()));
+    }
+  } else {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      Append(a, i, heads, reverse, n, what, &out);
+      out.start.push_back(static_cast<int>(out.items.size()));
     }
   }
   return out;
@@ -103,13 +134,11 @@ py::list Shared(const std::vector<int>& order, py::handle ints) {
 
 // Per node, how many of its input edges it waits for: all but those from
 // back-edge nodes (index.py: inputs_waited_for).
-std::vector<int> Waited(const std::vector<std::vector<int>>& data,
-                        const std::vector<std::vector<int>>& control,
-                        const std::vector<char>& back_edge) {
-  std::vector<int> pending(data.size(), 0);
-  for (size_t i = 0; i < data.size(); ++i) {
-    for (int p : data[i]) pending[i] += !back_edge[p];
-    for (int p : control[i]) pending[i] += !back_edge[p];
+std::vector<int> Waited(const Edges& inputs, const std::vector<char>& back_edge) {
+  const int n = static_cast<int>(inputs.start.size()) - 1;
+  std::vector<int> pending(n, 0);
+  for (int i = 0; i < n; ++i) {
+    for (const int* p = inputs.begin(i); p != inputs.end(i); ++p) pending[i] += !back_edge[*p];
   }
   return pending;
 }
@@ -120,12 +149,10 @@ py::tuple TopologicalOrder(py::handle data_inputs, py::handle control_inputs,
                            py::handle consumers, py::handle control_consumers,
                            const py::bytes& back_edges, py::handle ints) {
   const Py_ssize_t n = Items(data_inputs, "data_inputs").size();
-  const auto data = Lists(data_inputs, true, n, "data_inputs");
-  const auto control = Lists(control_inputs, false, n, "control_inputs");
-  const auto readers = Lists(consumers, true, n, "consumers");
-  const auto controlled = Lists(control_consumers, false, n, "control_consumers");
+  const Edges inputs = Lists(data_inputs, true, false, control_inputs, n, "inputs");
+  const Edges out_edges = Lists(consumers, true, false, control_consumers, n, "consumers");
   const auto back_edge = Flags(back_edges, n, "back_edges");
-  std::vector<int> indegree = Waited(data, control, back_edge);
+  std::vector<int> indegree = Waited(inputs, back_edge);
   std::priority_queue<int, std::vector<int>, std::greater<int>> ready;
   for (int i = 0; i < n; ++i) {
     if (indegree[i] == 0) ready.push(i);
@@ -137,10 +164,8 @@ py::tuple TopologicalOrder(py::handle data_inputs, py::handle control_inputs,
     ready.pop();
     order.push_back(i);
     if (back_edge[i]) continue;
-    for (const auto* edges : {&readers[i], &controlled[i]}) {
-      for (int c : *edges) {
-        if (--indegree[c] == 0) ready.push(c);
-      }
+    for (const int* c = out_edges.begin(i); c != out_edges.end(i); ++c) {
+      if (--indegree[*c] == 0) ready.push(*c);
     }
   }
   const bool has_cycles = static_cast<Py_ssize_t>(order.size()) != n;
@@ -167,16 +192,11 @@ py::list Schedule(py::handle data_inputs, py::handle control_inputs,
                   bool consumers_last_first, const py::dict& merged,
                   py::handle ints) {
   const Py_ssize_t n = Items(data_inputs, "data_inputs").size();
-  const auto data = Lists(data_inputs, true, n, "data_inputs");
-  const auto control = Lists(control_inputs, false, n, "control_inputs");
-  auto out_edges = Lists(consumers, true, n, "consumers");
-  const auto controlled = Lists(control_consumers, false, n, "control_consumers");
+  const Edges inputs = Lists(data_inputs, true, false, control_inputs, n, "inputs");
+  const Edges out_edges = Lists(consumers, true, consumers_last_first, control_consumers,
+                                n, "consumers");
   const auto back_edge = Flags(back_edges, n, "back_edges");
   const auto cheap = Flags(inexpensive, n, "inexpensive");
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (consumers_last_first) std::reverse(out_edges[i].begin(), out_edges[i].end());
-    out_edges[i].insert(out_edges[i].end(), controlled[i].begin(), controlled[i].end());
-  }
   std::vector<int> partner(n, -1), absorber(n, -1);
   for (const auto& item : merged) {
     const long first = AsIndex(item.first.ptr()), second = AsIndex(item.second.ptr());
@@ -186,7 +206,7 @@ py::list Schedule(py::handle data_inputs, py::handle control_inputs,
     partner[first] = static_cast<int>(second);
     absorber[second] = static_cast<int>(first);
   }
-  std::vector<int> pending = Waited(data, control, back_edge);
+  std::vector<int> pending = Waited(inputs, back_edge);
   std::deque<int> pool;
   for (int i = 0; i < n; ++i) {
     if (pending[i] == 0) pool.push_back(i);
@@ -212,7 +232,8 @@ py::list Schedule(py::handle data_inputs, py::handle control_inputs,
       deferred.clear();
       for (int node : group) {
         if (back_edge[node]) continue;
-        for (int c : out_edges[node]) {
+        for (const int* edge = out_edges.begin(node); edge != out_edges.end(node); ++edge) {
+          const int c = *edge;
           if (--pending[c]) continue;
           if (ran[c] || (absorber[c] >= 0 && !ran[absorber[c]])) continue;
           if (cheap[c]) {
