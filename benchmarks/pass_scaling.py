@@ -129,7 +129,7 @@ def table(rows: list) -> str:
         points.setdefault(r["arch"], []).append((r["nodes"], r["pass_seconds"]))
     lines.append("")
     for arch, pts in points.items():
-        if len(pts) >= 2:
+        if len({n for n, _ in pts}) >= 2:     # repeats of one size fit nothing
             lines.append(f"{arch}: pass seconds grow as nodes^{exponent(pts):.2f} "
                          f"({len(pts)} sizes)")
     failed = [r for r in rows if "error" in r]
