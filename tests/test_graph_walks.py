@@ -96,3 +96,17 @@ def test_native_walks_refuse_malformed_input():
         walks.schedule(((),), ((),), ((),), ((),), b"\0", b"\0", False, {}, [])
     with pytest.raises(TypeError):
         walks.schedule(((0,),), ((),), ((),), ((),), b"\0", b"\0", False, {}, [0])
+
+
+def test_the_shared_ints_hold_k_at_k_whichever_threads_grow_them(monkeypatch):
+    """Orders a native walk returns index the shared list by node number:
+    growing it from several threads (Grappler may run passes side by side)
+    must never repeat or skip a number."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(index_module, "_INTS", [])
+    sizes = [500 * k for k in range(1, 80)] * 4
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(index_module.int_objects, sizes))
+    ints = index_module._INTS
+    assert len(ints) >= max(sizes) and ints == list(range(len(ints)))

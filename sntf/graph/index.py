@@ -351,14 +351,18 @@ def _topological_order(ops, data_inputs, control_inputs, consumers,
 
 
 _INTS: list = []    # 0, 1, 2 ...: the int objects native walks return
+_ints_lock = threading.Lock()
 
 
 def int_objects(n: int) -> list:
     """A list holding the ints 0 to at least n - 1, one object each, shared
     by every order a native walk returns: an analysis keeps its schedule,
-    and its node numbers then cost no more than Python's own."""
+    and its node numbers then cost no more than Python's own. Its item k
+    is k, whichever threads grow it."""
     if len(_INTS) < n:
-        _INTS.extend(range(len(_INTS), n))
+        with _ints_lock:
+            if len(_INTS) < n:
+                _INTS.extend(range(len(_INTS), n))
     return _INTS
 
 
