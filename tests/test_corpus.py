@@ -187,9 +187,9 @@ def test_the_index_of_every_tried_plan_equals_a_full_build(monkeypatch):
 
 def test_every_tried_graph_is_held_serialized_and_reads_back_as_made(monkeypatch):
     """A tried graph is held as its GraphDef's bytes (analysis.Analyzed.packed):
-    the stages hold several at once, and on a deep network their parsed
-    GraphDefs took most of the pass's memory. Each read gives the graph the
-    rewrite made, as a message of its own."""
+    the stages hold several at once, and a parsed GraphDef takes several
+    times its bytes. Each read gives the graph the rewrite made, as a
+    message of its own."""
     from sntf import analysis, rewrite
 
     made, tried = {}, []    # id of the analysis -> the graph's bytes; the tries

@@ -10,8 +10,8 @@
 // the two.
 //
 // No TensorFlow: the index's tuples in, lists of node indices out (taken
-// from a list of int objects the caller shares, int_objects). The
-// tuples are read in place (no copy into C++ containers): a node's inputs
+// from a list of int objects the caller shares, int_objects). Each walk
+// reads the tuples it needs once into one array (Edges): a node's inputs
 // are (producer, port) pairs and its data consumers (consumer, slot, port)
 // triples, both addressed by position.
 
