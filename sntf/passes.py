@@ -244,8 +244,8 @@ def _run(graph_def, index, state: config.State, report: dict,
         rewritten = held.graph_def
         report["order_dependent_sums"] = held.fields()
         # First: it is what the graph goes back with.
-        plan = dataclasses.replace(plan, notes=(HELD_ALONE.format(held.accumulations),)
-                                   + plan.notes)
+        plan = dataclasses.replace(plan, summary="", notes=(
+            HELD_ALONE.format(held.accumulations),) + plan.lines)
     graph_def = original
     handed = rewritten if rewritten is not None else graph_def
     if state.options.keep_graphs:
@@ -259,11 +259,11 @@ def _run(graph_def, index, state: config.State, report: dict,
         outcome.planned.facts if outcome.planned else None, plan, handed)
     if rewritten is not None or state.options.identity_rewrite:
         report["action"] = REWRITTEN
-        _explain(report, why_training, plan.notes or ("plan applied",))
+        _explain(report, why_training, plan.lines or ("plan applied",))
         result.graph_def = handed
     else:
         report["action"] = UNCHANGED
-        _explain(report, why_training, plan.notes)
+        _explain(report, why_training, plan.lines)
     return result
 
 

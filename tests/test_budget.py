@@ -572,7 +572,7 @@ def _fit_with_order_rise(monkeypatch, base, budget: int, rise: int):
 
 
 def _held_in_order(outcome) -> bool:
-    return any("to the planned order" in n for n in outcome.plan.notes)
+    return any("to the planned order" in n for n in outcome.plan.lines)
 
 
 def test_a_budget_plan_whose_order_edges_find_no_room_is_fitted_again(monkeypatch):
@@ -591,10 +591,10 @@ def test_a_budget_plan_whose_order_edges_find_no_room_is_fitted_again(monkeypatc
     rise = room + (16 << 10)       # more than the first plan leaves
     assert rise <= 0.05 * first.planned.peak
     ctx, outcome = _fit_with_order_rise(monkeypatch, base, budget, rise)
-    assert _held_in_order(outcome) and outcome.fit.budget_fits, outcome.plan.notes
+    assert _held_in_order(outcome) and outcome.fit.budget_fits, outcome.plan.lines
     assert outcome.planned.peak <= target
-    assert f"{rise} bytes for order edges" in outcome.plan.notes[0]
-    assert not any("not applied" in n for n in outcome.plan.notes), outcome.plan.notes
+    assert f"{rise} bytes for order edges" in outcome.plan.lines[0]
+    assert not any("not applied" in n for n in outcome.plan.lines), outcome.plan.lines
 
 
 def test_where_no_refit_makes_room_order_edges_go_into_the_budget_margin(monkeypatch):
@@ -611,6 +611,6 @@ def test_where_no_refit_makes_room_order_edges_go_into_the_budget_margin(monkeyp
     target = budget_planning.budget_target(ctx)
     rise = int(0.049 * first.planned.peak)     # just under SEQUENCE_RISE_SHARE
     ctx, outcome = _fit_with_order_rise(monkeypatch, base, budget, rise)
-    assert _held_in_order(outcome) and outcome.fit.budget_fits, outcome.plan.notes
+    assert _held_in_order(outcome) and outcome.fit.budget_fits, outcome.plan.lines
     assert target < outcome.planned.peak <= budget
-    assert outcome.fit.why == "edges_in_margin", outcome.plan.notes
+    assert outcome.fit.why == "edges_in_margin", outcome.plan.lines

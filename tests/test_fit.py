@@ -90,7 +90,7 @@ def test_where_the_search_fits_nothing_the_cheapest_composition_that_fits_is_tak
     assert budget < base.facts.budget_peak_bytes / 0.9, "the unplanned graph would fit"
     ctx = context(memory_order=False, room=Room.of(base.facts, budget))
     outcome = planner.plan("auto", base, ctx)
-    assert outcome.fit.budget_fits is True, outcome.plan.notes
+    assert outcome.fit.budget_fits is True, outcome.plan.lines
     assert outcome.fit.why == COMPOSITION_FITS
     assert outcome.fit.achievable is None and outcome.fit.target == ctx.room.target
     assert outcome.planned.peak <= ctx.room.target

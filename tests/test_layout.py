@@ -136,3 +136,74 @@ def test_the_cycle_check_sees_imports_and_path_inserts(tmp_path):
     assert _mentions(str(importing), "benchmarks")
     assert _mentions(str(inserting), "tools")
     assert not _mentions(str(running), "tools")
+
+
+# Prose the planner writes for people: plan notes and summaries, reasons'
+# text, warnings. Code decides on codes and fields, never on this prose.
+PROSE = {"notes", "lines", "summary", "text", "reason", "warning", "warnings"}
+STRING_TESTS = {"startswith", "endswith", "find", "rfind", "index", "split",
+                "partition", "rpartition", "match", "search", "fullmatch", "findall"}
+
+
+def _mentions_prose(node, bound: set) -> bool:
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute) and sub.attr in PROSE:
+            return True
+        if isinstance(sub, ast.Name) and sub.id in bound:
+            return True
+    return False
+
+
+def _prose_parses(tree) -> list:
+    """(line, source) of each string test on prose: a string method or a
+    regular expression called on it, or `in` over it, including names bound
+    by iterating over prose."""
+    bound = set()
+    for node in ast.walk(tree):
+        loops = ([(g.target, g.iter) for g in node.generators]
+                 if isinstance(node, (ast.ListComp, ast.GeneratorExp, ast.SetComp))
+                 else [(node.target, node.iter)] if isinstance(node, ast.For) else [])
+        for target, it in loops:
+            if _mentions_prose(it, set()) and isinstance(target, ast.Name):
+                bound.add(target.id)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in STRING_TESTS and (
+                    _mentions_prose(node.func.value, bound)
+                    or any(_mentions_prose(a, bound) for a in node.args[1:2])):
+                found.append((node.lineno, ast.unparse(node)))
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn))
+                                                 for op in node.ops):
+            left_is_text = isinstance(node.left, ast.Constant) and isinstance(
+                node.left.value, str)
+            if left_is_text and any(_mentions_prose(c, bound) for c in node.comparators):
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_the_planner_and_the_pass_never_parse_their_own_prose():
+    """Decisions, fits and plans carry codes and fields; their prose is for
+    the report. A stage that tests the text of a note or reason breaks when
+    the wording changes, so none does."""
+    offenders = []
+    roots = [os.path.join(SNTF, d) for d in ("planner", "rewrite", "analysis", "graph")]
+    files = [f for r in roots for f in _python_files(r)]
+    files += [os.path.join(SNTF, "passes.py"), os.path.join(SNTF, "runtime", "plugin.py")]
+    for path in files:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        offenders += [(os.path.relpath(path, REPO), *hit) for hit in _prose_parses(tree)]
+    assert not offenders, offenders
+
+
+def test_the_prose_check_sees_string_tests_on_notes():
+    """The check above finds the forms it forbids."""
+    caught = _prose_parses(ast.parse(
+        'why = "; ".join(n for n in plan.notes if not n.startswith("recompute ("))\n'
+        'ok = "fits" in outcome.reason\n'
+        'm = re.match(r"x", report.warning)\n'))
+    assert sorted(line for line, _ in caught) == [1, 2, 3], caught
+    assert not _prose_parses(ast.parse(
+        'why = "; ".join(plan.notes)\nok = outcome.fit.code == "fits"\n'
+        'name.startswith("sntf/")\n'))

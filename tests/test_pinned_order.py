@@ -284,10 +284,10 @@ def test_a_rewritten_step_is_pinned_and_the_option_turns_it_off():
     base = analyzed(graph_def, ["ret"], props)
     pinned = planner.plan("swap+recompute", base, context())
     assert pinned.planned is not None
-    notes = [n for n in pinned.plan.notes if n.startswith("order:")]
-    assert len(notes) == 1 and "hold the ops" in notes[0], pinned.plan.notes
+    notes = [n for n in pinned.plan.lines if n.startswith("order:")]
+    assert len(notes) == 1 and "hold the ops" in notes[0], pinned.plan.lines
     free = planner.plan("swap+recompute", base, context(pin_order=False))
-    assert not [n for n in free.plan.notes if n.startswith("order:")]
+    assert not [n for n in free.plan.lines if n.startswith("order:")]
     assert len(pinned.plan.orders) > len(free.plan.orders)
     assert pinned.planned.peak <= free.planned.peak + (64 << 10)
 
@@ -319,8 +319,8 @@ def test_edges_are_applied_where_the_chained_graph_plans_a_little_higher(rise, a
         return result
 
     outcome = planner.plan("swap+recompute", base, dataclasses.replace(ctx, evaluate=evaluate))
-    notes = [n for n in outcome.plan.notes if n.startswith("order:")]
-    assert len(notes) == 1, outcome.plan.notes
+    notes = [n for n in outcome.plan.lines if n.startswith("order:")]
+    assert len(notes) == 1, outcome.plan.lines
     assert ("hold the ops" in notes[0]) == applied, notes
     assert ("would rise" in notes[0]) == (not applied), notes
 
@@ -465,7 +465,7 @@ def test_a_rewritten_graph_runs_weight_gradients_first_where_that_plans_lower():
     got = finish.gradients_first(policies.Outcome(plan, planned=deferred), ctx)
     assert [(o.before, o.after) for o in got.plan.orders] == [("W", "I")]
     assert got.planned.peak < deferred.peak
-    assert "weight gradient(s) run before the input gradient" in got.plan.notes[-1]
+    assert "weight gradient(s) run before the input gradient" in got.plan.lines[-1]
     # W already runs first: the edge plans no lower and is left out.
     first = _deferred_filter_gradient(filter_last=True)
     kept = finish.gradients_first(policies.Outcome(plan, planned=first), ctx)

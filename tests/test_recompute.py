@@ -134,7 +134,7 @@ def test_a_conditional_is_left_alone_and_the_rest_planned(cond):
     for plan in (planner.plan_recompute(idx, facts, "speed", frozenset(idx.fetch)),
                  planner.plan_swap(idx, facts, _dtypes(idx), 1, 1e9,
                                    frozenset(idx.fetch))):
-        assert any("control flow present" in n for n in plan.notes), plan.notes
+        assert any("control flow present" in n for n in plan.lines), plan.lines
         touched = {d.tensor for d in planner.acting(plan.decisions)}
         kept = {d.tensor: d.codes for d in plan.decisions if d.action == planner.KEEP}
         if forward_cond:
@@ -260,7 +260,7 @@ def test_auto_mode_plans_on_the_planned_timeline():
     props["sgd/update_s"] = []
     base, ctx = analyzed(g, ["ret"], props), context()
     plan, planned = modes.auto_recompute(base, ctx)
-    assert plan.notes[0].startswith("recompute (auto): 1 tensor(s), speed-centric")
+    assert plan.lines[0].startswith("recompute (auto): 1 tensor(s), speed-centric")
     assert [r.tensor for r in plan.recomputes] == ["r:0"]
     # What comes back is the analysis of exactly that plan's graph.
     again = ctx.evaluate(plan, base)
@@ -314,7 +314,7 @@ def test_the_lower_of_two_release_orders_is_kept(monkeypatch):
         orders.clear()
         ctx = planner.Context(evaluate=with_peaks(*peaks))
         plan, planned = modes.lowest_recompute(base, ctx, "speed")
-        assert plan.notes == (chosen,), (peaks, plan.notes)
+        assert plan.lines == (chosen,), (peaks, plan.lines)
         assert orders[0] is None
         assert orders[1] == analysis.schedule(idx, consumers_last_first=True)
         expected = peaks[int(chosen[-1]) - 1]
@@ -561,7 +561,7 @@ def test_clones_reading_a_variable_hold_back_its_update():
     # The planner's recompute stage adds them.
     chosen, planned = modes.recompute(analyzed(g, ["ret"], props),
                                       context(recompute_mode="memory"))
-    assert "edge(s) ordering variable updates after" in chosen.notes[0]
+    assert "edge(s) ordering variable updates after" in chosen.lines[0]
     assert planner.plan_update_order(planned.index) == ()
 
 
@@ -624,7 +624,7 @@ def test_a_plan_within_the_analysis_error_is_not_applied(widths, batch, applied)
         assert outcome.planned.peak < 0.95 * base.peak
         return
     assert outcome.planned is None and not outcome.plan.changes_graph
-    assert "would not fall by 5%" in outcome.plan.notes[-1], outcome.plan.notes
+    assert "would not fall by 5%" in outcome.plan.lines[-1], outcome.plan.lines
     # The tensors the rejected plan moved are kept, each with the reason.
     kept = [r for d in outcome.plan.decisions for r in d.why
             if r.code == reasons.BELOW_MIN_GAIN]

@@ -53,7 +53,7 @@ def test_a_step_that_is_the_loop_body_is_planned_and_its_loop_closed_alone():
     assert not {g.node(n) for n in ("h1", "grad/w1", "sgd/update1")} & found.region
     outcome = planner.plan("swap", analyzed(graph_def, ["ret"], props),
                            context(swap_min_bytes=4096))
-    assert outcome.planned is not None and outcome.plan.swaps, outcome.plan.notes
+    assert outcome.planned is not None and outcome.plan.swaps, outcome.plan.lines
     after = outcome.planned.index
     ctx = regions.contexts(after)
     assert all(ctx[i] == STEP[:2] for i in after.sntf_nodes)
@@ -85,7 +85,7 @@ def test_a_step_in_a_loop_is_planned_as_the_same_step_at_top_level(policy):
     top = planner.plan(policy, top_base, context(swap_min_bytes=4096))
     base = analyzed(graph_def, ["ret"], props)
     inside = planner.plan(policy, base, context(swap_min_bytes=4096))
-    assert inside.planned is not None, inside.plan.notes
+    assert inside.planned is not None, inside.plan.lines
     # The same tensors are freed. Whether one is swapped or recomputed may
     # differ: the loop's pivot makes the step's constants wait, which moves
     # them in the predicted order, and a near tie can tip.
@@ -94,7 +94,7 @@ def test_a_step_in_a_loop_is_planned_as_the_same_step_at_top_level(policy):
     ratio = inside.planned.peak / base.facts.predicted_peak_bytes
     assert ratio <= top.planned.peak / top_base.facts.predicted_peak_bytes + 0.05
     assert any("training step inside 1 loop(s) and 1 conditional branch(es)" in n
-               for n in inside.plan.notes), inside.plan.notes
+               for n in inside.plan.lines), inside.plan.lines
     after = inside.planned.index
     ctx = regions.contexts(after)
     assert after.sntf_nodes and all(ctx[i] == STEP for i in after.sntf_nodes)
@@ -136,7 +136,7 @@ def test_a_loop_inside_the_step_still_leaves_it_alone():
     outcome = planner.plan("swap", analyzed(graph_def, ["ret"], props),
                            context(swap_min_bytes=4096))
     assert outcome.planned is None
-    assert any("control flow present (a loop)" in n for n in outcome.plan.notes)
+    assert any("control flow present (a loop)" in n for n in outcome.plan.lines)
 
 
 @pytest.mark.slow

@@ -245,7 +245,7 @@ def fit_budget(base, ctx: Context, sources: tuple, name: str = "") -> Fitted:
         note += f"; {warning[len('sntf: '):]}"
         if ctx.options.budget_behaviour == "unchanged":
             return Fitted(identity_plan("auto", note), None, choice, candidates, warning)
-    plan = dataclasses.replace(plan, policy="auto", notes=(note,))
+    plan = dataclasses.replace(plan, policy="auto", summary=note, notes=())
     if planned is None or planned.stored is base.stored:
         return Fitted(plan, None, choice, candidates, warning)
     # As in the recompute stage: swaps and clones keep reads alive too.

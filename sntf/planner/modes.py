@@ -92,8 +92,8 @@ def updates_in_place(plan: Plan, planned, base, ctx: Context):
         return plan, planned
     ordered = dataclasses.replace(
         plan, orders=tuple(plan.orders) + orders,
-        notes=(f"{plan.notes[0]}, {len(orders)} edge(s) ordering variable updates after "
-               "their reads' readers", *plan.notes[1:]))
+        summary=(f"{plan.summary}, {len(orders)} edge(s) ordering variable updates after "
+                 "their reads' readers"))
     ordered_planned = ctx.evaluate(ordered, base)
     if ordered_planned.peak > planned.peak + heuristics.UPDATE_ORDER_SLACK_BYTES:
         return plan, planned
@@ -114,11 +114,11 @@ def auto_recompute(base, ctx: Context):
     """
     speed, planned = lowest_recompute(base, ctx, "speed")
     if planned is None:
-        # Keep the planner's own reason ("control flow present: not
-        # recomputed"); its count note ("recompute (speed): 0 tensor(s)") is not one.
-        why = "; ".join(n for n in speed.notes if not n.startswith("recompute (")
-                        ) or "nothing to recompute"
-        return dataclasses.replace(speed, notes=(f"recompute (auto): {why}",)), None
+        # Keep the planner's own reasons ("control flow present: not
+        # recomputed"), not its count ("recompute (speed): 0 tensor(s)").
+        why = "; ".join(speed.notes) or "nothing to recompute"
+        return dataclasses.replace(speed, summary="",
+                                   notes=(f"recompute (auto): {why}",)), None
     peak = planned.facts.peak_step
     at_peak = set()
     for b, (start, end) in planned.facts.buffer_intervals.items():
@@ -133,9 +133,9 @@ def auto_recompute(base, ctx: Context):
         if mixed_planned is not None and mixed_planned.peak < planned.peak:
             note += (f", {len(memory_tensors)} live at the planned peak made "
                      "memory-centric")
-            return dataclasses.replace(mixed, notes=(note, *mixed.notes[1:])), mixed_planned
-    # The planner's other notes (control flow left alone) stay.
-    return dataclasses.replace(speed, notes=(note, *speed.notes[1:])), planned
+            return dataclasses.replace(mixed, summary=note), mixed_planned
+    # The planner's notes (control flow left alone) stay.
+    return dataclasses.replace(speed, summary=note), planned
 
 
 def lowest_recompute(base, ctx: Context, mode: str,
@@ -198,7 +198,7 @@ def memory_recompute(base, ctx: Context):
                 f"speed-centric: its planned peak "
                 f"({speed_planned.peak} bytes) is below the "
                 f"memory-centric one ({planned.peak} bytes)")
-        return dataclasses.replace(speed, notes=(note, *speed.notes[1:])), speed_planned
+        return dataclasses.replace(speed, summary=note), speed_planned
     return memory, planned
 
 
@@ -221,12 +221,11 @@ def segmented_recompute(base, ctx: Context, per_segment: int):
         return plan, None
     note = (f"recompute (memory): {len(plan.recomputes)} tensor(s), checkpoint ops "
             f"re-run in segments of up to {per_segment}")
-    plan = dataclasses.replace(plan, notes=(note, *plan.notes[1:]))
+    plan = dataclasses.replace(plan, summary=note)
     orders = order.plan_gradient_order(planned.index, ctx.device.onednn)
     if orders:
-        ordered = dataclasses.replace(plan, orders=orders, notes=(
-            f"{note}, {len(orders)} weight gradient edge(s) ordered first",
-            *plan.notes[1:]))
+        ordered = dataclasses.replace(plan, orders=orders, summary=(
+            f"{note}, {len(orders)} weight gradient edge(s) ordered first"))
         ordered_planned = ctx.evaluate(ordered, base)
         if ordered_planned.peak < planned.peak:
             return ordered, ordered_planned

@@ -85,6 +85,11 @@ class Plan:
     planned_peak_bytes: Optional[int] = None
     lower_bound_bytes: Optional[int] = None
     notes: tuple[str, ...] = ()
+    # The stage's own line on what it planned ("recompute (speed): 3
+    # tensor(s)"), kept apart from its notes so that a mode can restate it
+    # and code can tell it from the reasons in notes; the report shows it
+    # first (lines).
+    summary: str = ""
     recomputes: tuple = ()           # Recompute recipes, one per recomputed tensor
     swaps: tuple = ()                # Swap recipes, one per swapped tensor
     # Swaps are conditional under this device budget: at run time a swapped
@@ -98,6 +103,11 @@ class Plan:
         return [d.tensor for d in self.decisions if d.action == action]
 
     @property
+    def lines(self) -> tuple[str, ...]:
+        """What the report says of the plan: its summary, then its notes."""
+        return ((self.summary,) if self.summary else ()) + self.notes
+
+    @property
     def changes_graph(self) -> bool:
         return any(d.action != KEEP for d in self.decisions)
 
@@ -106,6 +116,8 @@ class Plan:
         and as codes."""
         plain = dataclasses.asdict(self)
         plain["decisions"] = [d.to_dict() for d in self.decisions]
+        plain["notes"] = self.lines
+        del plain["summary"]
         return plain
 
     def to_json(self, indent: int = 2) -> str:

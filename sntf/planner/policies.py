@@ -146,7 +146,7 @@ class Then:
                     and not _any_live_at_peak(plan, rival):
                 planned = None
             if planned is None:
-                run.notes.extend(plan.notes)
+                run.notes.extend(plan.lines)
                 run.void |= stage.deferred
                 if run.void:
                     return run
@@ -163,7 +163,7 @@ class Then:
                 continue
             run.current = planned
             run.decisions.extend(acting(plan.decisions))
-            run.notes.extend(plan.notes)
+            run.notes.extend(plan.lines)
             run.recomputes += plan.recomputes
             run.swaps += plan.swaps
         return run
@@ -393,7 +393,7 @@ def _standing(outcome: Outcome, base, ctx: Context, policy: str) -> Outcome:
     why = reason(R.BELOW_MIN_GAIN, policy=policy, percent=ctx.options.min_gain * 100,
                  before=base.peak, after=planned.peak)
     kept = {d.tensor: [why] for d in acting(outcome.plan.decisions)}
-    unchanged = Plan(policy=outcome.plan.policy, notes=outcome.plan.notes + (why.text,))
+    unchanged = Plan(policy=outcome.plan.policy, notes=outcome.plan.lines + (why.text,))
     return Outcome(with_keeps(unchanged, base, kept, f"policy {policy!r}"),
                    fit=outcome.fit, warnings=outcome.warnings)
 

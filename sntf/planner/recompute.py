@@ -92,10 +92,10 @@ def plan_recompute(g, facts, mode: str, protected: frozenset = frozenset(),
             candidates.append(answer)
     recipes, decisions, dropped = _whole_buffers(g, facts, candidates, setting.segments)
     kept.update(dropped)
-    notes = (f"recompute ({mode}): {len(recipes)} tensor(s)", *control_flow_note(regions))
     keeps = tuple(keep(t, R.staged(why, "recompute")) for t, why in kept.items())
-    return Plan(policy="recompute", decisions=tuple(decisions) + keeps, notes=notes,
-                recomputes=tuple(recipes))
+    return Plan(policy="recompute", decisions=tuple(decisions) + keeps,
+                summary=f"recompute ({mode}): {len(recipes)} tensor(s)",
+                notes=control_flow_note(regions), recomputes=tuple(recipes))
 
 
 def _setting(g, facts, mode, protected, region, memory_tensors, order,
