@@ -235,6 +235,40 @@ def test_where_every_plan_runs_out_budget_behaviour_unchanged_leaves_the_graph()
     assert report["budget_fits"] is False and report["device_limit_fits"] is False
 
 
+def test_under_a_limit_alone_a_policy_plan_that_runs_out_is_searched_lower(monkeypatch):
+    """Without a budget, where the allocator model runs out of memory on
+    the policy's plan in either order, the fit loop takes the plan the
+    budget's steps find with the limit for the budget, if the model fits
+    it. A fallback that plans nothing stands for any policy that stops
+    above what the step needs."""
+    import dataclasses
+
+    from sntf.planner import policies
+
+    g, props = mlp_step(**WIDE_MLP)
+    unplanned = passes.run_pass(g.SerializeToString(), ["ret"], [], config.State(
+        enabled=True, policy="off", budget=None, options=config.parse_options({})),
+        properties_fn(props)).report["predicted_peak_bytes"]
+    limit = int(0.8 * unplanned)
+    auto = policies.POLICIES["auto"]
+    monkeypatch.setitem(policies.POLICIES, "auto",
+                        dataclasses.replace(auto, fallback=policies.Then(())))
+    state = config.State(enabled=True, policy="auto", budget=None,
+                         options=config.parse_options({"keep_graphs": True}))
+    env = passes.Environment(allocator_limit=lambda d: limit)
+    run = passes.run_pass(g.SerializeToString(), ["ret"], [], state,
+                          properties_fn(props), env=env)
+    report = run.report
+    assert report["fit"] == "limit_searched", report["reason"]
+    assert report["device_limit_fits"] is True and report["action"] == "rewritten"
+    assert report.get("budget_fits") is None and report.get("budget_target_bytes") is None
+    room = Room(margin=0.1, limit=limit, grows=True)
+    assert room.runs_out(report["analysis_result"])      # the policy's plan: none
+    assert not room.runs_out(report["planned_analysis_result"])
+    assert report["planned_peak_bytes"] < unplanned
+    assert not any("run out of memory" in w for w in run.warnings), run.warnings
+
+
 def test_the_tensor_cache_keeps_no_more_than_the_allocator_model_leaves():
     """The cache fills the chunks of tensors the plan counted as gone;
     under a hard limit its headroom is cut to what the allocator model,

@@ -21,7 +21,9 @@ the graph and takes the one the room holds:
   under a device limit alone
     the graph as it is where the allocator model fits it; else the
     fallback composition in the executor's order, and where the model
-    runs out of memory on that, held to a memory-aware order.
+    runs out of memory on that, held to a memory-aware order; where the
+    model runs out on both, the plan the budget's steps above find with
+    the limit for the budget, if the model fits that one.
 
 Which plan is taken:
   - a search plan that fits: the search minimizes predicted time over
@@ -45,7 +47,8 @@ from sntf.planner import reasons as R
 from sntf.planner.context import Context
 from sntf.planner.finish import gradients_first, pinned
 from sntf.planner.plan import (COMPOSITION_FITS, DEVICE_RUNS_OUT, EDGES_IN_MARGIN, FITS_AS_IS,
-                               HELD_ORDER_ONLY, KEEP, LIMIT_HELD, LIMIT_PLANNED, REFIT_FITS,
+                               HELD_ORDER_ONLY, KEEP, LIMIT_HELD, LIMIT_PLANNED,
+                               LIMIT_SEARCHED, REFIT_FITS,
                                SEARCH_FITS, UNMET, Fit, Outcome, acting, identity_plan,
                                noted, refit)
 from sntf.planner.reasons import reason
@@ -75,7 +78,7 @@ def plan(policy: str, base, ctx: Context, name: str = "") -> Outcome:
         if unchanged is not None:
             return Outcome(identity_plan(policy, unchanged),
                            fit=Fit(FITS_AS_IS, device_fits=True))
-        outcome = _under_limit(policy, composition, base, ctx)
+        outcome = _under_limit(policy, composition, base, ctx, name)
     else:
         outcome = _under_budget(composition, base, ctx, name)
         if room.limit is not None:
@@ -85,10 +88,12 @@ def plan(policy: str, base, ctx: Context, name: str = "") -> Outcome:
     return device_limit.checked(outcome, base, room, name)
 
 
-def _under_limit(policy: str, composition, base, ctx: Context) -> Outcome:
+def _under_limit(policy: str, composition, base, ctx: Context, name: str) -> Outcome:
     """Without a budget, under a device limit: the fallback composition in
     the executor's order where the allocator model fits it; else held to a
-    memory-aware order by order edges, where that plans lower.
+    memory-aware order by order edges, where that plans lower; where the
+    model runs out of memory on that too, the plan fitted to the limit's
+    room (_limit_fitted), if the model fits it.
 
     The executor's order is the one a run reaches unchained, so a plan
     that fits in it is kept. But it defers every op the input gradients'
@@ -99,19 +104,48 @@ def _under_limit(policy: str, composition, base, ctx: Context) -> Outcome:
     room = ctx.room
     first = policies.composed(policy, composition.fallback, base, ctx)
     planned = first.planned or base
-    first = dataclasses.replace(first, fit=Fit(LIMIT_PLANNED))
-    if (not room.runs_out(planned.facts) or not ctx.options.pin_order
-            or (ctx.search.memory_order and ctx.search.pin_order)):
-        return first
-    again = policies.composed(policy, composition.fallback, base,
-                              ctx.searching(memory_order=True, pin_order=True))
-    held = again.planned
-    if held is None or not again.pinned or held.peak >= planned.peak:
-        return first
-    return noted(dataclasses.replace(again, fit=Fit(LIMIT_HELD)), (
-        f"device: in the executor's order the plan ({planned.peak} bytes) runs out of "
-        f"memory in a model of {room.device}'s allocator under its limit of "
-        f"{room.limit} bytes; held to a memory-aware order it plans {held.peak} bytes"))
+    taken = dataclasses.replace(first, fit=Fit(LIMIT_PLANNED))
+    if not room.runs_out(planned.facts):
+        return taken
+    if ctx.options.pin_order and not (ctx.search.memory_order and ctx.search.pin_order):
+        again = policies.composed(policy, composition.fallback, base,
+                                  ctx.searching(memory_order=True, pin_order=True))
+        held = again.planned
+        if held is not None and again.pinned and held.peak < planned.peak:
+            taken = noted(dataclasses.replace(again, fit=Fit(LIMIT_HELD)), (
+                f"device: in the executor's order the plan ({planned.peak} bytes) runs "
+                f"out of memory in a model of {room.device}'s allocator under its limit "
+                f"of {room.limit} bytes; held to a memory-aware order it plans "
+                f"{held.peak} bytes"))
+            if not room.runs_out(held.facts):
+                return taken
+    return _limit_fitted(composition, base, ctx, name, _peak(taken, base)) or taken
+
+
+def _limit_fitted(auto: policies.FitBudget, base, ctx: Context, name: str,
+                  policy_peak: int) -> Optional[Outcome]:
+    """Where the allocator model runs out of memory on the policy's plan in
+    either order: the plan the budget's steps (_under_budget) take with
+    the device's limit for the budget, if the model fits it; else None.
+
+    The fallback composition plans as low as its stages go, but not as
+    low as sntf goes: the budget search picks swaps and recomputations
+    buffer by buffer to a target, and lowers the target where the model's
+    regions fragment (_refitted). A step that would run out of memory is
+    worth the search's time."""
+    room = ctx.room
+    as_budget = dataclasses.replace(ctx, room=dataclasses.replace(room, budget=room.limit))
+    outcome = _under_budget(auto, base, as_budget, name)
+    planned = outcome.planned or base
+    if room.runs_out(planned.facts):
+        return None
+    outcome = device_limit.cache_fitted(outcome, as_budget.room)
+    fit = Fit(LIMIT_SEARCHED, seconds=outcome.fit.seconds)
+    return noted(dataclasses.replace(outcome, fit=fit, warnings=()), (
+        f"device: the policy's plan ({policy_peak} bytes) runs out of memory in a model "
+        f"of {room.device}'s allocator under its limit of {room.limit} bytes; fitted "
+        f"with the limit for the budget, it plans {planned.peak} bytes, which the "
+        "model fits"))
 
 
 def _peak(outcome: Outcome, base) -> int:

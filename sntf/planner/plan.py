@@ -209,8 +209,10 @@ DEVICE_RUNS_OUT = "device_runs_out"      # the allocator model runs out on every
 FITS_AS_IS = "fits_as_is"                # no budget: the graph fits the limit unchanged
 LIMIT_PLANNED = "limit_planned"          # no budget: planned in the executor's order
 LIMIT_HELD = "limit_held"                # no budget: held to a memory-aware order
+LIMIT_SEARCHED = "limit_searched"        # no budget: fitted to the limit's room
 FIT_CODES = (SEARCH_FITS, EDGES_IN_MARGIN, REFIT_FITS, COMPOSITION_FITS, UNMET,
-             HELD_ORDER_ONLY, DEVICE_RUNS_OUT, FITS_AS_IS, LIMIT_PLANNED, LIMIT_HELD)
+             HELD_ORDER_ONLY, DEVICE_RUNS_OUT, FITS_AS_IS, LIMIT_PLANNED, LIMIT_HELD,
+             LIMIT_SEARCHED)
 
 
 @dataclasses.dataclass(frozen=True)
