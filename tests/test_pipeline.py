@@ -523,3 +523,36 @@ def test_a_training_graph_is_deferred_to_the_last_call_and_nothing_else():
     assert not passes.run_pass(forward, [], [], recompute, defer=True).deferred
     later = passes.run_pass(data, ["identity_retval"], [], recompute)
     assert not later.deferred and passes.DEFERRED not in later.report["reason"]
+
+
+def test_order_edges_are_added_once_each_after_the_inputs_in_the_plans_order():
+    """The rewrite batches a plan's control edges per node; the result is
+    what adding them one by one gives: each edge appended once, after the
+    node's inputs and its existing control inputs, in the plan's order, and
+    an edge between two devices refused."""
+    import random
+
+    g = graphs.chain(12)
+    g.node[5].input.append("^n1")
+    rng = random.Random(3)
+    pairs = [(f"n{rng.randrange(12)}", f"n{rng.randrange(12)}") for _ in range(80)]
+    pairs += [("n1", "n5"), ("n2", "n5"), ("n2", "n5")]
+    plan = planner.Plan(policy="swap", orders=tuple(
+        planner.Order(before=b, after=a) for b, a in pairs))
+    before_rewrite = {n.name: list(n.input) for n in g.node}
+    expected = {n.name: list(n.input) for n in g.node}
+    for before, after in pairs:
+        if "^" + before not in expected[after]:
+            expected[after].append("^" + before)
+    result = rewrite.apply_plan(g, plan)
+    assert {n.name: list(n.input) for n in result.graph_def.node} == expected
+    assert result.touched == frozenset(a for _, a in pairs)
+    assert {n.name: list(n.input) for n in g.node} == before_rewrite   # left untouched
+    g.node[3].device = "/device:CPU:1"
+    g.node[4].device = "/device:CPU:0"
+    with pytest.raises(ValueError, match="plan crosses devices.*'n4'.*'n3'"):
+        rewrite.apply_plan(g, planner.Plan(policy="swap", orders=(
+            planner.Order(before="n3", after="n4"),)))
+    with pytest.raises(ValueError, match="the graph does not have"):
+        rewrite.apply_plan(g, planner.Plan(policy="swap", orders=(
+            planner.Order(before="nowhere", after="n4"),)))

@@ -22,8 +22,8 @@ the graph and takes the one the room holds:
     the graph as it is where the allocator model fits it; else the
     fallback composition in the executor's order, and where the model
     runs out of memory on that, held to a memory-aware order; where the
-    model runs out on both, the plan the budget's steps above find with
-    the limit for the budget, if the model fits that one.
+    model runs out on both, the search plan of steps 1 and 2 above with
+    the limit for the budget, if the model fits it.
 
 Which plan is taken:
   - a search plan that fits: the search minimizes predicted time over
@@ -125,20 +125,28 @@ def _under_limit(policy: str, composition, base, ctx: Context, name: str) -> Out
 def _limit_fitted(auto: policies.FitBudget, base, ctx: Context, name: str,
                   policy_peak: int) -> Optional[Outcome]:
     """Where the allocator model runs out of memory on the policy's plan in
-    either order: the plan the budget's steps (_under_budget) take with
-    the device's limit for the budget, if the model fits it; else None.
+    either order: the budget search's plan with the device's limit for the
+    budget (_searched), or where the model runs out on that one, the first
+    fitted under a lower target that it does not run out on (_refitted);
+    None where there is none.
 
     The fallback composition plans as low as its stages go, but not as
     low as sntf goes: the budget search picks swaps and recomputations
     buffer by buffer to a target, and lowers the target where the model's
-    regions fragment (_refitted). A step that would run out of memory is
-    worth the search's time."""
+    regions fragment. A step that would run out of memory is worth the
+    search's time. The compositions a budget falls back on are not tried
+    again: the policy's is the plan that ran out."""
     room = ctx.room
     as_budget = dataclasses.replace(ctx, room=dataclasses.replace(room, budget=room.limit))
-    outcome = _under_budget(auto, base, as_budget, name)
+    outcome = _searched(auto, base, as_budget, name)
     planned = outcome.planned or base
     if room.runs_out(planned.facts):
-        return None
+        if not outcome.fit.budget_fits:
+            return None         # lower targets fit less
+        outcome, _ = _refitted(auto, base, as_budget, outcome, name)
+        if outcome is None:
+            return None
+        planned = outcome.planned or base
     outcome = device_limit.cache_fitted(outcome, as_budget.room)
     fit = Fit(LIMIT_SEARCHED, seconds=outcome.fit.seconds)
     return noted(dataclasses.replace(outcome, fit=fit, warnings=()), (

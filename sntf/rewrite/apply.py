@@ -79,9 +79,7 @@ def apply_plan(graph_def, plan: planner.Plan, index=None) -> RewriteResult:
         groups += len(recipe.groups)
     for recipe in plan.swaps:
         _apply_swap(out, nodes, recipe, plan.cache_budget, touched)
-    for order in plan.orders:
-        _add_control_input(_node(nodes, order.after), _node(nodes, order.before))
-        touched.add(order.after)
+    _add_orders(nodes, plan.orders, touched)
     return RewriteResult(graph_def=out,
                          modified=bool(plan.recomputes or plan.swaps or plan.orders),
                          touched=frozenset(touched))
@@ -219,11 +217,35 @@ def _apply_recompute(out, nodes: _Nodes, recipe: planner.Recompute, first: int,
             touched.add(consumer)
 
 
-def _add_control_input(node, before) -> None:
-    """Makes `node` wait for `before` (once, on the same device only)."""
-    _check_device(node, before, node.name)
-    if "^" + before.name not in node.input:
-        node.input.append("^" + before.name)
+def _add_orders(nodes: _Nodes, orders, touched: set) -> None:
+    """Makes each order's `after` node wait for its `before` node: control
+    inputs appended after the node's inputs in the plan's order, each once,
+    on the same device only (_check_device). A held order can bring
+    hundreds of thousands of edges to a deep network's graph, so each
+    node's inputs are read and extended once, not once per edge."""
+    devices: dict = {}
+    have: dict = {}      # node name -> its inputs, those added included
+    added: dict = {}     # node name -> control inputs to append, in order
+    for order in orders:
+        after = order.after
+        if after not in have:
+            node = _node(nodes, after)
+            have[after] = set(node.input)
+            added[after] = []
+            devices[after] = node.device
+        if order.before not in devices:
+            devices[order.before] = _node(nodes, order.before).device
+        here, there = devices[after], devices[order.before]
+        if here and there and here != there:
+            _check_device(_node(nodes, after), _node(nodes, order.before), after)
+        text = "^" + order.before
+        if text not in have[after]:
+            have[after].add(text)
+            added[after].append(text)
+        touched.add(after)
+    for name, inputs in added.items():
+        if inputs:
+            _node(nodes, name).input.extend(inputs)
 
 
 def _node(nodes: _Nodes, name: str):
