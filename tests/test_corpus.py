@@ -135,7 +135,8 @@ def test_a_try_given_known_shapes_and_analyses_analyzes_as_afresh(monkeypatch):
             "schedule", "buffer_bytes", "buffer_intervals", "buffers",
             "predicted_peak_bytes", "unknown_sizes", "node_phases", "lower_bound_bytes")
             if getattr(got.facts, field) != getattr(fresh.facts, field))
-        rebuilt = graph.build_index(graph_def, [index.names[i] for i in index.fetch],
+        made = graph_def.make() if isinstance(graph_def, analysis.Pending) else graph_def
+        rebuilt = graph.build_index(made, [index.names[i] for i in index.fetch],
                                     [index.names[i] for i in index.preserve])
         if index.data_topo != rebuilt.data_topo:
             differ.append("data_topo")
@@ -153,17 +154,19 @@ def test_a_try_given_known_shapes_and_analyses_analyzes_as_afresh(monkeypatch):
 def test_the_index_of_every_tried_plan_equals_a_full_build(monkeypatch):
     """The evaluator, and the edges that hold sums in order, update the
     index of the graph they change where they changed it
-    (graph.updated_index) instead of indexing the result anew: every index
-    they make, oneDNN's merges kept included, must equal the full build."""
-    from sntf import graph, rewrite
+    (graph.updated_index), and a plan of orders alone is indexed from the
+    base's index before its GraphDef is made (rewrite.ordered_index),
+    instead of indexing the result anew: every index they make, oneDNN's
+    merges kept included, must equal the full build of the GraphDef."""
+    from sntf import analysis, graph, rewrite
     from sntf.graph import fusions
     from sntf.rewrite import sums
 
     made = []    # (the index updated, whether it was one made here)
     differ = []  # recorded, not asserted here: the planner catches what a try raises
+    pending = []
 
-    def checked(before, graph_def, touched):
-        got = graph.updated_index(before, graph_def, touched)
+    def compare(got, graph_def, before) -> None:
         built = graph.build_index(graph_def, [before.names[i] for i in before.fetch],
                                   [before.names[i] for i in before.preserve])
         # What an index keeps of its data edges (graph.GraphIndex.of_data_edges)
@@ -171,11 +174,22 @@ def test_the_index_of_every_tried_plan_equals_a_full_build(monkeypatch):
         if (got != built or got.topo != built.topo or got.has_cycles != built.has_cycles
                 or fusions.merge_pairs(got) != fusions.merge_pairs(built)):
             differ.append(len(made))
+
+    def checked(before, graph_def, touched):
+        got = graph.updated_index(before, graph_def, touched)
+        compare(got, graph_def, before)
         made.append((got, any(before is g for g, _ in made)))
         return got
 
+    def analyzed(graph_def, index, *args, **kwargs):
+        if isinstance(graph_def, analysis.Pending):
+            pending.append(index)
+            compare(index, graph_def.make(), index)
+        return analysis.analyze_graph(graph_def, index, *args, **kwargs)
+
     monkeypatch.setattr(rewrite, "updated_index", checked)
     monkeypatch.setattr(sums, "updated_index", checked)
+    monkeypatch.setattr(rewrite, "analyze_graph", analyzed)
     for name in ("zoo-allconv_swish", "family-unet", "zoo-gpt"):
         entry = corpus.load(os.path.join(FOLDER, name + ".json.gz"))
         for policy in ("swap+recompute", "auto"):
@@ -183,19 +197,23 @@ def test_the_index_of_every_tried_plan_equals_a_full_build(monkeypatch):
     assert not differ
     # oneDNN's merges were kept again: an updated index updated once more.
     assert len(made) >= 20 and any(again for _, again in made)
+    assert len(pending) >= 10
 
 
 def test_every_tried_graph_is_held_serialized_and_reads_back_as_made(monkeypatch):
-    """A tried graph is held as its GraphDef's bytes (analysis.Analyzed.packed):
-    the stages hold several at once, and a parsed GraphDef takes several
-    times its bytes. Each read gives the graph the rewrite made, as a
-    message of its own."""
+    """A tried graph is held as its GraphDef's bytes (analysis.Analyzed.packed),
+    or, for an order tried, as what makes it (analysis.Pending): the stages
+    hold several at once, and a parsed GraphDef takes several times its
+    bytes. Each read gives the graph the rewrite made, as a message of its
+    own."""
     from sntf import analysis, rewrite
 
     made, tried = {}, []    # id of the analysis -> the graph's bytes; the tries
 
     def recorded(graph_def, *args, **kwargs):
         got = analysis.analyze_graph(graph_def, *args, **kwargs)
+        if isinstance(graph_def, analysis.Pending):
+            graph_def = graph_def.make()
         made[id(got.facts)] = graph_def.SerializeToString(deterministic=True)
         return got
 
@@ -215,8 +233,10 @@ def test_every_tried_graph_is_held_serialized_and_reads_back_as_made(monkeypatch
     entry = corpus.load(os.path.join(FOLDER, "family-unet.json.gz"))
     corpus.replay(entry, corpus.config("swap+recompute"))
     assert len(tried) >= 5
+    assert any(isinstance(got.stored, analysis.Pending) for got in tried)
     for got in tried:
-        assert isinstance(got.stored, analysis.Packed)
+        # An order tried is made when read (rewrite.ordered_index).
+        assert isinstance(got.stored, (analysis.Packed, analysis.Pending))
         first = got.graph_def
         assert first.SerializeToString(deterministic=True) == made[id(got.facts)]
         del first.node[:]
@@ -250,4 +270,4 @@ def test_the_liveness_fast_paths_place_every_buffer_as_the_general_rule(monkeypa
             runs.append((live.owner, dict(live.tensors), live.buffer_bytes,
                          live.intervals(), live.persistent))
         assert runs[0] == runs[1], name
-    assert {liveness._PLAIN, liveness._FORWARD, liveness._ALIAS} <= kinds
+    assert {liveness._PLAIN, liveness._FORWARD, liveness._ALIAS, liveness._PERSISTENT} <= kinds

@@ -27,6 +27,19 @@ def _merge_step():
     return b.build()
 
 
+def merge_step_analyzed():
+    """_merge_step analyzed, its activations 64x32x32x16 floats."""
+    from graphs import analyzed
+
+    shape = (64, 32, 32, 16)
+    props = {n: [(DT_FLOAT, shape)] for n in
+             ("x", "g", "other", "pad", "fconv", "conv", "biased", "dfilter", "sum")}
+    props.update({"f": [(DT_FLOAT, (3, 3, 16, 16))], "bias": [(DT_FLOAT, (16,))],
+                  "paddings": [(3, (4, 2))], "fshape": [(3, (4,))],
+                  "dbias": [(DT_FLOAT, (16,))], "r1": [], "r2": [], "r3": []})
+    return analyzed(_merge_step(), ["r1", "r2", "r3"], props)
+
+
 def test_the_pairs_onednn_merges_are_found():
     from sntf.graph import build_index
     from sntf.graph.fusions import merge_pairs

@@ -332,17 +332,11 @@ def test_pin_order_is_a_bool(value):
 
 
 def test_pinned_edges_leave_merge_pairs_mergeable():
-    from test_fusions import _controls, _merge_step
+    from test_fusions import _controls, merge_step_analyzed
     from sntf.graph.fusions import merge_members
 
-    graph_def = _merge_step()
-    shape = (64, 32, 32, 16)
-    props = {n: [(DT_FLOAT, shape)] for n in
-             ("x", "g", "other", "pad", "fconv", "conv", "biased", "dfilter", "sum")}
-    props.update({"f": [(DT_FLOAT, (3, 3, 16, 16))], "bias": [(DT_FLOAT, (16,))],
-                  "paddings": [(3, (4, 2))], "fshape": [(3, (4,))],
-                  "dbias": [(DT_FLOAT, (16,))], "r1": [], "r2": [], "r3": []})
-    base = analyzed(graph_def, ["r1", "r2", "r3"], props)
+    base = merge_step_analyzed()
+    graph_def = base.graph_def
     g = base.index
     merges = merge_members(g)
     free = order.plan_sequence(g, base.facts, 1)

@@ -18,7 +18,7 @@ set of a single op.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 from sntf.analysis.costs import (DEFAULT_COST_MODEL, CostModel, op_seconds,
                                  workspace_bytes)
@@ -33,7 +33,7 @@ from sntf.graph.index import GraphIndex
 
 __all__ = [
     "ACTIVATION", "Analysis", "Analyzed", "CostModel", "DEFAULT_COST_MODEL",
-    "GRADIENT", "PERSISTENT", "Packed", "Properties", "SCRATCH_PORT", "Sized",
+    "GRADIENT", "PERSISTENT", "Packed", "Pending", "Properties", "SCRATCH_PORT", "Sized",
     "SymbolicSize", "TEMPORARY", "TENSOR_CLASSES", "Timeline", "VARIABLE_PORT", "analyze",
     "analyze_graph", "decode_properties", "has_unknown_dims", "op_seconds",
     "resolve_symbolic_dims", "rounded", "schedule", "sized", "tensor_size",
@@ -48,6 +48,14 @@ class Packed(NamedTuple):
     data: bytes
 
 
+class Pending(NamedTuple):
+    """A GraphDef not yet made: `make()` makes it. The planner analyzes a
+    graph that differs from one it holds in control edges alone (an order
+    tried) from its index, and makes the GraphDef of the one it keeps."""
+
+    make: Callable[[], object]
+
+
 @dataclasses.dataclass(frozen=True)
 class Analyzed:
     """One graph as the stages hand it on: its GraphDef, its index, the
@@ -55,9 +63,10 @@ class Analyzed:
     its analysis.
 
     `stored` is the GraphDef, or for a graph the planner tries, the GraphDef
-    serialized (`packed`): a deep network's stages hold several tried graphs
-    at once, and a parsed GraphDef takes several times its serialized
-    bytes. Whether two Analyzed hold the same graph is `stored is`."""
+    serialized (`packed`) or yet to be made (`Pending`): a deep network's
+    stages hold several tried graphs at once, and a parsed GraphDef takes
+    several times its serialized bytes. Whether two Analyzed hold the same
+    graph is `stored is`."""
 
     stored: object
     index: GraphIndex
@@ -66,19 +75,22 @@ class Analyzed:
 
     @property
     def graph_def(self):
-        """The GraphDef; one held packed is parsed anew on each read, so a
-        caller that reads it often keeps what it read."""
+        """The GraphDef; one held packed is parsed, and one pending made,
+        anew on each read, so a caller that reads it often keeps what it
+        read."""
         if isinstance(self.stored, Packed):
             return self.stored.kind.FromString(self.stored.data)
+        if isinstance(self.stored, Pending):
+            return self.stored.make()
         return self.stored
 
     def packed(self) -> "Analyzed":
-        """This graph with its GraphDef held serialized.
+        """This graph with its GraphDef held serialized (or pending).
 
         Returns:
           An Analyzed with the same index, properties and analysis.
         """
-        if isinstance(self.stored, Packed):
+        if isinstance(self.stored, (Packed, Pending)):
             return self
         graph_def = self.stored
         return dataclasses.replace(

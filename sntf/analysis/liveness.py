@@ -25,7 +25,8 @@ from sntf.graph.training import handle_root
 # input's buffer where it can (_FORWARD); a view shares its input's buffer
 # (_ALIAS); a handle or a resource op holds none (_FREE); the others, and
 # what the fast paths do not settle, are decided per output (_place).
-_PLAIN, _FORWARD, _ALIAS, _FREE, _SPECIAL = range(5)
+# A constant's outputs are persistent (_PERSISTENT).
+_PLAIN, _FORWARD, _ALIAS, _FREE, _PERSISTENT, _SPECIAL = range(6)
 
 
 def _placing(ops: tuple) -> list:
@@ -35,7 +36,7 @@ def _placing(ops: tuple) -> list:
         kinds[op] = (_SPECIAL if op in optable.REDUCTION_OPS else
                      _FREE if op in optable.FREE_OPS else
                      _ALIAS if op in optable.ALIAS_OPS else
-                     _SPECIAL if op in optable.PERSISTENT_OPS else
+                     _PERSISTENT if op in optable.PERSISTENT_OPS else
                      _FORWARD if op in optable.FORWARDING_OPS else _PLAIN)
     return [kinds[op] for op in ops]
 
@@ -146,11 +147,13 @@ class Liveness:
         placing, sizes, tensors = _placing(self.g.ops), self.sizes, self.tensors
         buffer_bytes, buffer_alloc = self.buffer_bytes, self.buffer_alloc
         forwardable = self._forwardable_input
+        persistent = self.persistent
         for s, i in enumerate(self.order):
             outputs, inputs, kind = outputs_of[i], data_inputs[i], placing[i]
             if kind == _PLAIN or kind == _FORWARD:
                 # Each output with bytes gets a buffer of its own (_allocate),
-                # but where a forwarding kernel takes over an input's.
+                # but where a forwarding kernel takes over an input's. Only
+                # the first output is forwarded, before any other is placed.
                 for t in outputs:
                     n = sizes.get(t, 0)
                     if not n:
@@ -159,28 +162,40 @@ class Liveness:
                          if kind == _FORWARD and t[1] == 0 else None)
                     if b is None:
                         owner[t] = t
-                        tensors[t].append(t)
+                        tensors[t] = [t]
                         buffer_bytes[t] = rounded(n)
-                        buffer_alloc[t] = s
+                        buffer_alloc[t] = free[t] = s
                     else:
                         owner[t] = b
                         tensors[b].append(t)
-            elif kind == _ALIAS:
+                        free[b] = s
+            elif kind == _PERSISTENT:
                 for t in outputs:
-                    if sizes.get(t, 0) and inputs and inputs[0] in owner:
-                        b = owner[inputs[0]]
-                        owner[t] = b
-                        tensors[b].append(t)
-                    else:
+                    n = sizes.get(t, 0)
+                    if n:
+                        owner[t] = t
+                        tensors[t] = [t]
+                        buffer_bytes.setdefault(t, rounded(n))
+                        buffer_alloc[t] = -1
+                        persistent.add(t)
+                        free[t] = s
+            else:
+                if kind == _ALIAS:
+                    for t in outputs:
+                        if sizes.get(t, 0) and inputs and inputs[0] in owner:
+                            b = owner[inputs[0]]
+                            owner[t] = b
+                            tensors[b].append(t)
+                        else:
+                            place(s, i, t)
+                elif kind == _SPECIAL:
+                    for t in outputs:
                         place(s, i, t)
-            elif kind == _SPECIAL:
                 for t in outputs:
-                    place(s, i, t)
+                    b = owner.get(t)
+                    if b is not None:
+                        free[b] = s
             for t in inputs:
-                b = owner.get(t)
-                if b is not None:
-                    free[b] = s
-            for t in outputs:
                 b = owner.get(t)
                 if b is not None:
                     free[b] = s
@@ -252,9 +267,9 @@ class Liveness:
         AssignVariableOp that reads it last, which the kernel adopts
         (forward_input) instead of copying it into the variable."""
         found = {}
-        for i, op in enumerate(self.g.ops):
+        for i in self.g.of_data_edges("assignments", _assignments):
             inputs = self.g.data_inputs[i]
-            if op != optable.ASSIGN_VARIABLE_OP or len(inputs) < 2 or i not in self.step_of:
+            if i not in self.step_of:
                 continue
             b = self.owner.get(inputs[1])
             target = (handle_root(self.g, inputs[0][0]), VARIABLE_PORT)
@@ -283,6 +298,12 @@ class Liveness:
         alloc, free, persistent = self.buffer_alloc, self.buffer_free, self.persistent
         return {b: (start, free.get(b, start)) for b, start in alloc.items()
                 if b not in persistent}
+
+
+def _assignments(g: GraphIndex) -> tuple:
+    """The AssignVariableOps of a graph that have a value input."""
+    return tuple(i for i, op in enumerate(g.ops)
+                 if op == optable.ASSIGN_VARIABLE_OP and len(g.data_inputs[i]) >= 2)
 
 
 def outputs_of(g: GraphIndex, properties) -> list:

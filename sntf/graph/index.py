@@ -203,7 +203,7 @@ def build_index(graph_def, fetch: Iterable[str] = (),
     consumers = [[] for _ in range(n)]
     control_consumers = [[] for _ in range(n)]
     for i, node in enumerate(nodes):
-        data, control = _parsed_inputs(node, index)
+        data, control = parsed_inputs(node, index)
         for slot, (producer, port) in enumerate(data):
             consumers[producer].append((i, slot, port))
         for producer in control:
@@ -224,85 +224,10 @@ def build_index(graph_def, fetch: Iterable[str] = (),
         control_consumers=tuple(tuple(c) for c in control_consumers),
         fetch=existing(fetch), preserve=existing(preserve),
         sntf_nodes=tuple(i for i, node in enumerate(nodes) if names.role_of(node)),
-        frames=tuple(_frame_name(node) for node in nodes))
+        frames=tuple(frame_name(node) for node in nodes))
 
 
-def updated_index(before: GraphIndex, graph_def, touched: Iterable[str]) -> GraphIndex:
-    """The index of a graph rewritten from `before`'s by appending nodes and
-    changing the inputs of the nodes named in `touched`, and nothing else
-    (sntf.rewrite's rewrites): equal to build_index of it with `before`'s
-    fetch and preserve nodes, at the cost of the nodes that changed and a
-    new topological order.
-
-    Args:
-      before: the index of the graph it was rewritten from.
-      graph_def: the rewritten GraphDef, `before`'s nodes first, in order.
-      touched: names of `before`'s nodes whose inputs may have changed.
-
-    Returns:
-      The index.
-
-    Raises:
-      GraphError: a new node's name is taken, or an input names a missing node.
-    """
-    nodes = graph_def.node
-    n, m = len(before.names), len(nodes)
-    index = dict(before.index)
-    for i in range(n, m):
-        name = nodes[i].name
-        if name in index:
-            raise GraphError(f"duplicate node name {name!r}")
-        index[name] = i
-    data_inputs = list(before.data_inputs) + [()] * (m - n)
-    control_inputs = list(before.control_inputs) + [()] * (m - n)
-    consumers = list(before.consumers) + [()] * (m - n)
-    control_consumers = list(before.control_consumers) + [()] * (m - n)
-    changed = sorted({before.index[name] for name in touched if name in before.index}
-                     | set(range(n, m)))
-    # Each producer's consumers are listed by consumer, then input slot, as
-    # build_index lists them: the changed nodes' edges are taken out and
-    # put back in that order.
-    fed, controlled = collections.defaultdict(list), collections.defaultdict(list)
-    for i in changed:
-        for p, port in data_inputs[i]:
-            fed[p]
-        for p in control_inputs[i]:
-            controlled[p]
-    for i in changed:
-        data, control = _parsed_inputs(nodes[i], index)
-        data_inputs[i], control_inputs[i] = data, control
-        for slot, (p, port) in enumerate(data):
-            fed[p].append((i, slot, port))
-        for p in control:
-            controlled[p].append(i)
-    moved = frozenset(changed)
-    for p, edges in fed.items():
-        consumers[p] = tuple(sorted([e for e in consumers[p] if e[0] not in moved] + edges))
-    for p, edges in controlled.items():
-        control_consumers[p] = tuple(sorted(
-            [c for c in control_consumers[p] if c not in moved] + edges))
-    new = nodes[n:]
-    ops = before.ops + tuple(node.op for node in new)
-    after = GraphIndex(
-        names=before.names + tuple(node.name for node in new), ops=ops,
-        devices=before.devices + tuple(node.device for node in new), index=index,
-        data_inputs=tuple(data_inputs), control_inputs=tuple(control_inputs),
-        consumers=tuple(consumers), control_consumers=tuple(control_consumers),
-        fetch=before.fetch, preserve=before.preserve,
-        sntf_nodes=before.sntf_nodes + tuple(n + k for k, node in enumerate(new)
-                                             if names.role_of(node)),
-        frames=before.frames + tuple(_frame_name(node) for node in new))
-    if m == n and all(data_inputs[i] == before.data_inputs[i] for i in changed):
-        # Control edges alone changed: the data edges' order stands, and
-        # what else depends on the data edges alone.
-        if "data_topo" in before.__dict__:
-            after.__dict__["data_topo"] = before.data_topo
-        if "_of_data_edges" in before.__dict__:
-            after.__dict__["_of_data_edges"] = dict(before.__dict__["_of_data_edges"])
-    return after
-
-
-def _parsed_inputs(node, index: dict) -> tuple:
+def parsed_inputs(node, index: dict) -> tuple:
     """(data inputs, control inputs) of a NodeDef, by producer index."""
     data, control = [], []
     for text in node.input:
@@ -317,7 +242,7 @@ def _parsed_inputs(node, index: dict) -> tuple:
     return tuple(data), tuple(control)
 
 
-def _frame_name(node) -> str:
+def frame_name(node) -> str:
     if node.op not in optable.ENTER_OPS:
         return ""
     return node.attr["frame_name"].s.decode("utf-8", "replace")

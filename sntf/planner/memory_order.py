@@ -90,15 +90,12 @@ class _Links:
     takes over to that op (order.takeovers)."""
 
     def __init__(self, g, facts, hold_takeovers: bool = True):
-        n = len(g.ops)
-        self.before = [[p for p, _ in g.data_inputs[i]] + list(g.control_inputs[i])
-                       for i in range(n)]
-        self.after = [[c for c, _, _ in g.consumers[i]] + list(g.control_consumers[i])
-                      for i in range(n)]
+        # The index's own lists: data edges first, then control edges.
+        self.before, self.after = list(g.producers), list(g.readers)
         for taker, readers in (takeovers(g, facts) if hold_takeovers else {}).items():
             for r in sorted(readers):
-                self.before[taker].append(r)
-                self.after[r].append(taker)
+                self.before[taker] += (r,)
+                self.after[r] += (taker,)
 
 
 def _greedy(g, facts, dying: dict, links: _Links) -> Optional[list]:
@@ -227,16 +224,19 @@ def _refined(g, facts, order: list, last: int, readers: dict, links: _Links) -> 
     """
     profile = _Profile(g, facts, last, readers)
     peak, at, live = profile.peak(order)
+    pos = _positions(order, profile.nodes)
     for _ in range(MOVES):
         best = None
-        for moved in _moves(links, profile, order, _positions(order, profile.nodes),
-                            at, live):
+        for moved, span in _moves(links, profile, order, pos, at, live):
             got = profile.peak(moved)
             if got[0] < peak and (best is None or got[0] < best[0][0]):
-                best = (got, moved)
+                best = (got, moved, span)
         if best is None:
             break
-        (peak, at, live), order = best
+        (peak, at, live), order, (first, end) = best
+        # A move reorders one span of steps; the others keep their ops.
+        for s in range(first, end):
+            pos[order[s]] = s
     return order
 
 
@@ -304,7 +304,8 @@ def _positions(order: list, nodes: int) -> list:
 
 def _moves(links: _Links, profile: _Profile, order: list, pos: list, at: int,
            live: tuple):
-    """Orders with one block of ops moved across step `at` (the peak);
+    """(order, (first, end)): orders with one block of ops moved across
+    step `at` (the peak), each with the steps first..end-1 it reorders;
     pos: node -> its step in `order` (_positions)."""
     import numpy as np
 
@@ -322,10 +323,11 @@ def _moves(links: _Links, profile: _Profile, order: list, pos: list, at: int,
                 yield moved
 
 
-def _sunk(links: _Links, order: list, pos: list, begin: int, at: int) -> Optional[list]:
-    """`order` with the op at `begin`, and every op up to step `at` that
+def _sunk(links: _Links, order: list, pos: list, begin: int, at: int) -> Optional[tuple]:
+    """(`order` with the op at `begin`, and every op up to step `at` that
     depends on it, moved past `at`, as late as their readers allow (just
-    before the first of them); None if that takes the op at `at` along."""
+    before the first of them), the steps it reorders); None if that takes
+    the op at `at` along."""
     after = links.after.__getitem__
     block = _closure(order[begin], pos, begin, at, after, order[at])
     if block is None:
@@ -334,19 +336,19 @@ def _sunk(links: _Links, order: list, pos: list, begin: int, at: int) -> Optiona
                 default=len(order))
     segment = order[begin:at + 1]
     return (order[:begin] + [n for n in segment if n not in block] + order[at + 1:until]
-            + [n for n in segment if n in block] + order[until:])
+            + [n for n in segment if n in block] + order[until:]), (begin, until)
 
 
-def _hoisted(links: _Links, order: list, pos: list, at: int, end: int) -> Optional[list]:
-    """`order` with the op at `end`, and every op from step `at` on that it
-    depends on, moved to just before `at`; None if that takes the op at
-    `at` along."""
+def _hoisted(links: _Links, order: list, pos: list, at: int, end: int) -> Optional[tuple]:
+    """(`order` with the op at `end`, and every op from step `at` on that
+    it depends on, moved to just before `at`, the steps it reorders); None
+    if that takes the op at `at` along."""
     block = _closure(order[end], pos, at, end, links.before.__getitem__, order[at])
     if block is None:
         return None
     segment = order[at:end + 1]
     return (order[:at] + [n for n in segment if n in block]
-            + [n for n in segment if n not in block] + order[end + 1:])
+            + [n for n in segment if n not in block] + order[end + 1:]), (at, end + 1)
 
 
 def _closure(node: int, pos: list, first: int, last: int, neighbours,

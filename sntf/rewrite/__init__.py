@@ -12,10 +12,12 @@ from typing import Optional
 
 import weakref
 
-from sntf.analysis import Analyzed, analyze_graph, sized, with_generated
-from sntf.rewrite.apply import RewriteResult, apply_plan, set_cache_limits
-from sntf.graph import updated_index
-from sntf.rewrite.fusions import keep_merges, kept_merges, merged_pairs
+from sntf.analysis import Analyzed, Pending, analyze_graph, sized, with_generated
+from sntf.graph import updated_index, with_control_inputs
+from sntf.planner import KEEP
+from sntf.rewrite.apply import (RewriteResult, apply_plan, index_order_inputs,
+                                set_cache_limits)
+from sntf.rewrite.fusions import keep_merges, kept_merges, merge_controls, merged_pairs
 from sntf.rewrite.sums import (PinnedSums, SumsOutcome, hold_after_planning,
                                hold_before_planning, pin_sums)
 from sntf.rewrite.validate import validate
@@ -64,7 +66,15 @@ def evaluator(threads: Optional[int], onednn: bool = False):
                 priors.append(facts)
         return shapes, tuple(priors)
 
-    def evaluate(plan, base: Analyzed) -> Optional[Analyzed]:
+    def pairs(base: Analyzed) -> frozenset:
+        # The same base graph is evaluated with many plans (the budget
+        # search): its merged pairs are found once.
+        if merged.get("index") is not base.index:
+            merged.update(index=base.index, pairs=merged_pairs(base.index))
+        return merged["pairs"]
+
+    def rewritten(plan, base: Analyzed) -> Optional[tuple]:
+        """(GraphDef, its index) of the plan applied, None if unchanged."""
         result = apply_plan(base.graph_def, plan, base.index)
         if not result.modified:
             return None
@@ -74,13 +84,22 @@ def evaluator(threads: Optional[int], onednn: bool = False):
         graph_def = result.graph_def
         index = updated_index(base.index, graph_def, result.touched)
         if onednn:
-            # The same base graph is evaluated with many plans (the budget
-            # search): its merged pairs are found once.
-            if merged.get("index") is not base.index:
-                merged.update(index=base.index, pairs=merged_pairs(base.index))
-            kept, gave = kept_merges(graph_def, base.index, merged["pairs"], index)
+            kept, gave = kept_merges(graph_def, base.index, pairs(base), index)
             if kept is not graph_def:
                 graph_def, index = kept, updated_index(index, kept, gave)
+        return graph_def, index
+
+    def evaluate(plan, base: Analyzed) -> Optional[Analyzed]:
+        if _orders_only(plan):
+            index = ordered_index(plan, base.index, pairs(base) if onednn else None)
+            stored, graph = base.stored, base.index
+            graph_def = Pending(lambda: rewritten(
+                plan, Analyzed(stored, graph, None, None))[0])
+        else:
+            made = rewritten(plan, base)
+            if made is None:
+                return None
+            graph_def, index = made
         index = validate(graph_def, base.index, index)
         shapes, priors = alike(index, base)
         if shapes is None:
@@ -93,3 +112,34 @@ def evaluator(threads: Optional[int], onednn: bool = False):
         return analyzed.packed()
 
     return evaluate
+
+
+def _orders_only(plan) -> bool:
+    """Whether a plan adds control edges and nothing else."""
+    return (bool(plan.orders) and not plan.recomputes and not plan.swaps
+            and all(d.action == KEEP for d in plan.decisions))
+
+
+def ordered_index(plan, index, merged: Optional[frozenset]):
+    """The index of the graph of `index` with the plan's orders applied, as
+    apply_plan and keep_merges make its GraphDef: a plan of orders alone
+    appends control inputs and adds no node.
+
+    Args:
+      plan: a plan holding orders alone (_orders_only).
+      index: the graph's index.
+      merged: merged_pairs of the graph where oneDNN's pass runs, else None.
+
+    Returns:
+      The GraphIndex.
+
+    Raises:
+      ValueError: as apply_plan and keep_merges.
+    """
+    index = with_control_inputs(index, index_order_inputs(index, plan.orders))
+    gave = merge_controls(index, merged) if merged else {}
+    if any(gave.values()):
+        at = index.index
+        index = with_control_inputs(index, {at[name]: [at[n] for n in controls]
+                                            for name, controls in gave.items()})
+    return index

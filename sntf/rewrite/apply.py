@@ -98,9 +98,13 @@ def _check_device(node, trigger, tensor: str) -> None:
       ValueError: naming the tensor, the trigger and both devices.
     """
     if node.device and trigger.device and node.device != trigger.device:
-        raise ValueError(
-            f"plan crosses devices: {tensor} needs {node.name!r} on {node.device} "
-            f"released by {trigger.name!r} on {trigger.device}")
+        raise _crossing(tensor, node.name, node.device, trigger.name, trigger.device)
+
+
+def _crossing(tensor: str, name: str, device: str, trigger: str,
+              trigger_device: str) -> ValueError:
+    return ValueError(f"plan crosses devices: {tensor} needs {name!r} on {device} "
+                      f"released by {trigger!r} on {trigger_device}")
 
 
 def _apply_swap(out, nodes: _Nodes, recipe: planner.Swap, cache_budget, touched: set) -> None:
@@ -218,40 +222,87 @@ def _apply_recompute(out, nodes: _Nodes, recipe: planner.Recompute, first: int,
 
 
 def _add_orders(nodes: _Nodes, orders, touched: set) -> None:
-    """Makes each order's `after` node wait for its `before` node: control
-    inputs appended after the node's inputs in the plan's order, each once,
-    on the same device only (_check_device). A held order can bring
-    hundreds of thousands of edges to a deep network's graph, so each
-    node's inputs are read and extended once, not once per edge."""
+    """Makes each order's `after` node wait for its `before` node
+    (order_inputs). A held order can bring hundreds of thousands of edges
+    to a deep network's graph, so each node's inputs are read and extended
+    once, not once per edge."""
+    def controls(name: str):
+        return (text[1:] for text in _node(nodes, name).input if text.startswith("^"))
+
+    added = order_inputs(orders, controls, lambda name: _node(nodes, name).device)
+    touched.update(added)
+    for name, before in added.items():
+        if before:
+            _node(nodes, name).input.extend("^" + b for b in before)
+
+
+def order_inputs(orders, controls, device) -> dict:
+    """The control inputs a plan's orders append: to each order's `after`
+    node, its `before` node, after the node's inputs, in the plan's order,
+    each once and none the node has already, on the same device only
+    (_check_device).
+
+    Args:
+      orders: the plan's Order edges.
+      controls: node name -> the names of its control inputs; raises
+        ValueError for a node the graph does not have.
+      device: node name -> its device; raises ValueError likewise.
+
+    Returns:
+      `after` node name -> the names of the control inputs appended to it
+      (an empty list where it has them all already).
+
+    Raises:
+      ValueError: an order names a missing node or crosses devices.
+    """
     devices: dict = {}
-    have: dict = {}      # node name -> its inputs, those added included
+    have: dict = {}      # node name -> its control inputs, those added included
     added: dict = {}     # node name -> control inputs to append, in order
     for order in orders:
-        after = order.after
+        after, before = order.after, order.before
         if after not in have:
-            node = _node(nodes, after)
-            have[after] = set(node.input)
+            have[after] = set(controls(after))
             added[after] = []
-            devices[after] = node.device
-        if order.before not in devices:
-            devices[order.before] = _node(nodes, order.before).device
-        here, there = devices[after], devices[order.before]
+            devices[after] = device(after)
+        if before not in devices:
+            devices[before] = device(before)
+        here, there = devices[after], devices[before]
         if here and there and here != there:
-            _check_device(_node(nodes, after), _node(nodes, order.before), after)
-        text = "^" + order.before
-        if text not in have[after]:
-            have[after].add(text)
-            added[after].append(text)
-        touched.add(after)
-    for name, inputs in added.items():
-        if inputs:
-            _node(nodes, name).input.extend(inputs)
+            raise _crossing(after, after, here, before, there)
+        if before not in have[after]:
+            have[after].add(before)
+            added[after].append(before)
+    return added
+
+
+def index_order_inputs(index, orders) -> dict:
+    """order_inputs over a graph's index, for a plan of orders alone: node
+    -> the producers of the control inputs appended to it, by position.
+
+    Raises:
+      ValueError: as order_inputs.
+    """
+    names, control_inputs, devices = index.names, index.control_inputs, index.devices
+
+    def at(name: str) -> int:
+        k = index.index.get(name)
+        if k is None:
+            raise _missing(name)
+        return k
+
+    added = order_inputs(orders, lambda name: (names[p] for p in control_inputs[at(name)]),
+                         lambda name: devices[at(name)])
+    return {at(name): [at(b) for b in before] for name, before in added.items()}
 
 
 def _node(nodes: _Nodes, name: str):
     if name not in nodes:
-        raise ValueError(f"plan names node {name!r}, which the graph does not have")
+        raise _missing(name)
     return nodes[name]
+
+
+def _missing(name: str) -> ValueError:
+    return ValueError(f"plan names node {name!r}, which the graph does not have")
 
 
 def _set_data_input(node, slot: int, text: str) -> None:

@@ -7,7 +7,7 @@ from typing import Optional
 
 from sntf.graph import names
 from sntf.graph.fusions import merge_pairs
-from sntf.graph.index import GraphError, GraphIndex, build_index, parse_input
+from sntf.graph.index import GraphError, GraphIndex, build_index
 
 
 def merged_pairs(before: GraphIndex) -> frozenset:
@@ -55,44 +55,58 @@ def kept_merges(graph_def, before: GraphIndex, merged: Optional[frozenset] = Non
     if not merged:
         return graph_def, frozenset()
     index = build_index(graph_def) if index is None else index
-    pairs = [(index.names[p.first], index.names[p.second], p.strict)
-             for p in merge_pairs(index)
-             if _sources(index.names[p.first], index.names[p.second]) in merged]
-    if not pairs:
+    gave = merge_controls(index, merged)
+    if not gave:
         return graph_def, frozenset()
     out = type(graph_def)()
     out.CopyFrom(graph_def)
-    changed: set = set()
+    for name, controls in gave.items():
+        out.node[index.index[name]].input.extend("^" + n for n in controls)
+    return out, frozenset(gave)
 
-    def node(name: str):
-        return out.node[index.index[name]]
+
+def merge_controls(index: GraphIndex, merged: frozenset) -> dict:
+    """The control inputs keep_merges gives: for every pair of a rewritten
+    graph (`index`) whose original pair is in `merged`, pair by pair, each
+    node gets, sorted by name, the control inputs only the other has.
+
+    Returns:
+      Node name -> the names of the control inputs appended to it, in
+      order, for each node of a pair whose control inputs differed.
+
+    Raises:
+      GraphError: as keep_merges.
+    """
+    pairs = [(p.first, p.second, p.strict) for p in merge_pairs(index)
+             if _sources(index.names[p.first], index.names[p.second]) in merged]
+    names = index.names
+    controls: dict = {}    # node -> the names of its control inputs so far
+    gave: dict = {}
+
+    def of(node: int) -> set:
+        if node not in controls:
+            controls[node] = {names[p] for p in index.control_inputs[node]}
+        return controls[node]
 
     for first, second, strict in pairs:
-        a, b = _controls(node(first)), _controls(node(second))
+        a, b = of(first), of(second)
         if a == b:
             continue
+        x, y = names[first], names[second]
         if strict:
             raise GraphError(
-                f"the rewrite gave control inputs to {first!r} or {second!r}, a "
+                f"the rewrite gave control inputs to {x!r} or {y!r}, a "
                 "Conv2D -> BiasAdd pair oneDNN merges (TensorFlow aborts on "
                 "such a merge)")
-        if first in b or second in a:
-            raise GraphError(f"{first!r} and {second!r}, a pair oneDNN merges, "
+        if x in b or y in a:
+            raise GraphError(f"{x!r} and {y!r}, a pair oneDNN merges, "
                              "would have to wait for each other")
-        node(first).input.extend("^" + n for n in sorted(b - a))
-        node(second).input.extend("^" + n for n in sorted(a - b))
-        changed.update((first, second))
-    return (out, frozenset(changed)) if changed else (graph_def, frozenset())
-
-
-def _controls(node) -> frozenset:
-    """The names of a NodeDef's control inputs."""
-    found = set()
-    for text in node.input:
-        name, _, control = parse_input(text)
-        if control:
-            found.add(name)
-    return frozenset(found)
+        to_first, to_second = sorted(b - a), sorted(a - b)
+        gave.setdefault(x, []).extend(to_first)
+        gave.setdefault(y, []).extend(to_second)
+        a.update(to_first)
+        b.update(to_second)
+    return gave
 
 
 def _sources(first: str, second: str) -> tuple:

@@ -15,7 +15,8 @@ from typing import Optional
 from sntf.analysis.schedule import schedule
 from sntf.graph import accumulations
 from sntf.graph.fusions import merged_kernels
-from sntf.graph.index import GraphError, GraphIndex, updated_index
+from sntf.graph.index import GraphError, GraphIndex
+from sntf.graph.updates import updated_index
 from sntf.rewrite.fusions import kept_merges
 from sntf.rewrite.validate import validate
 
