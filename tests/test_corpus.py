@@ -172,6 +172,8 @@ def test_the_index_of_every_tried_plan_equals_a_full_build(monkeypatch):
         # What an index keeps of its data edges (graph.GraphIndex.of_data_edges)
         # is carried where control edges alone changed: it must be the graph's.
         if (got != built or got.topo != built.topo or got.has_cycles != built.has_cycles
+                or got.data_producers != built.data_producers
+                or got.data_readers != built.data_readers
                 or fusions.merge_pairs(got) != fusions.merge_pairs(built)):
             differ.append(len(made))
 

@@ -116,7 +116,8 @@ def with_control_inputs(before: GraphIndex, added: dict) -> GraphIndex:
 def _carry_data_edges(before: GraphIndex, after: GraphIndex) -> None:
     """Gives `after`, which differs from `before` in control edges alone,
     what `before` has already worked out from the nodes and data edges."""
-    if "data_topo" in before.__dict__:
-        after.__dict__["data_topo"] = before.data_topo
+    for kind in ("data_topo", "data_producers", "data_readers"):
+        if kind in before.__dict__:
+            after.__dict__[kind] = before.__dict__[kind]
     if "_of_data_edges" in before.__dict__:
         after.__dict__["_of_data_edges"] = dict(before.__dict__["_of_data_edges"])

@@ -296,14 +296,17 @@ def takeovers(g, facts, buffers=None) -> dict:
             tensors.setdefault(buffer, []).append(tensor)
     found: dict = {}
     for buffer, held in tensors.items():
-        readers = {c for node, port in held for c, _, p in g.consumers[node]
-                   if p == port and c in step}
         takers = [node for node, port in held
                   if port == 0 and (node, port) != buffer and node in step
                   and g.ops[node] in optable.FORWARDING_OPS
                   and g.ops[node] not in optable.ALIAS_OPS
                   and any(facts.buffers.get(t) == buffer for t in g.data_inputs[node])]
-        if buffer in facts.handover and buffer in facts.buffer_intervals:
+        handed = buffer in facts.handover and buffer in facts.buffer_intervals
+        if not takers and not handed:
+            continue    # most buffers: no one takes them over
+        readers = {c for node, port in held for c, _, p in g.consumers[node]
+                   if p == port and c in step}
+        if handed:
             stop = facts.buffer_intervals[buffer][1]
             takers += [r for r in readers if g.ops[r] == optable.ASSIGN_VARIABLE_OP
                        and step[r] == stop]
