@@ -614,3 +614,25 @@ def test_where_no_refit_makes_room_order_edges_go_into_the_budget_margin(monkeyp
     assert _held_in_order(outcome) and outcome.fit.budget_fits, outcome.plan.lines
     assert target < outcome.planned.peak <= budget
     assert outcome.fit.why == "edges_in_margin", outcome.plan.lines
+
+
+def test_the_budget_search_judges_a_selection_with_weight_gradients_first():
+    """A selection is judged by the peak of its rewritten graph, or lower,
+    with each weight gradient before the input gradient of the same output
+    gradient, as the plan taken is finished (finish.gradients_first)."""
+    from test_pinned_order import _deferred_filter_gradient
+    from sntf.planner import finish, policies
+
+    ctx = context()
+    base = _deferred_filter_gradient(filter_last=True)
+    selections = budget_planning.Selections(base, ctx, planner.Plan(policy="auto"),
+                                            base.peak)
+    plan = planner.Plan(policy="auto")
+    deferred = _deferred_filter_gradient(filter_last=False)
+    finished = finish.gradients_first(policies.Outcome(plan, planned=deferred), ctx)
+    assert finished.planned.peak < deferred.peak
+    assert selections._judged(plan, deferred) == finished.planned.peak
+    # Where the edges plan no lower, or nothing was rewritten, as it is.
+    first = _deferred_filter_gradient(filter_last=True)
+    assert selections._judged(plan, first) == first.peak
+    assert selections._judged(plan, base) == base.peak

@@ -14,7 +14,7 @@ from typing import Optional
 from sntf.graph import names
 from sntf.planner import heuristics, search
 from sntf.planner.context import Context, protected
-from sntf.planner.modes import updates_in_place
+from sntf.planner.modes import gradient_ordered, updates_in_place
 from sntf.planner.plan import RECOMPUTE, SWAP, Plan, acting, identity_plan, subset
 from sntf.planner.backward import backward_read_by_buffer
 from sntf.planner.swap import default_min_bytes, plan_swap, tensor_properties, threshold_at_peak
@@ -130,7 +130,22 @@ class Selections:
             plan, decisions=plan.decisions + swap_plan.decisions,
             swaps=swap_plan.swaps, cache_budget=self._budget if swap else None)
         self.results[frozenset(selection)] = (combined, planned)
-        return planned.peak
+        return self._judged(combined, planned)
+
+    def _judged(self, plan: Plan, planned) -> int:
+        """The peak a selection's plan is judged by: its rewritten graph's,
+        or lower, with weight gradients first (modes.gradient_ordered), as
+        the plan taken is finished (finish.gradients_first). Judged without
+        them, a selection looks higher than the plan it becomes by a share
+        that differs from one selection to the next: a budget then took
+        more swaps than it needed, and a lower budget could plan higher."""
+        if planned is self._base:
+            return planned.peak
+        try:
+            _, ordered = gradient_ordered(planned, self._ctx, plan)
+        except Exception:  # noqa: BLE001 - optional: judged as rewritten
+            return planned.peak
+        return planned.peak if ordered is None else min(planned.peak, ordered.peak)
 
     def excess(self, selection: tuple, budget: int) -> int:
         """Bytes over `budget` summed over the planned timeline's steps (the

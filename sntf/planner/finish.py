@@ -21,7 +21,8 @@ from sntf.planner import budget as budget_planning
 from sntf.planner import heuristics
 from sntf.planner.context import Context
 from sntf.planner.memory_order import memory_orders
-from sntf.planner.order import plan_gradient_order, plan_sequence
+from sntf.planner.modes import gradient_ordered
+from sntf.planner.order import plan_sequence
 from sntf.planner.plan import Outcome, Plan, noted
 
 
@@ -49,19 +50,6 @@ def gradients_first(outcome: Outcome, ctx: Context) -> Outcome:
         f"order: {len(orders)} weight gradient(s) run before the input gradient of "
         f"the same output gradient ({planned.peak} -> {ordered.peak} bytes)",))
     return dataclasses.replace(outcome, plan=plan, planned=ordered)
-
-
-def gradient_ordered(planned, ctx: Context, plan: Plan) -> tuple:
-    """(order edges, planned analyzed with them or None): each weight
-    gradient of an analyzed rewritten graph before the input gradient of the
-    same output gradient (order.plan_gradient_order), less the edges `plan`
-    already holds. Raises where the rewrite or its analysis fails."""
-    with ctx.timed("plan_order"):
-        taken = {(o.before, o.after) for o in plan.orders}
-        orders = tuple(o for o in plan_gradient_order(planned.index, ctx.device.onednn)
-                       if (o.before, o.after) not in taken)
-        return orders, (ctx.evaluate(Plan(policy=plan.policy, orders=orders), planned)
-                        if orders else None)
 
 
 def pinned(outcome: Outcome, ctx: Context) -> Outcome:

@@ -230,3 +230,20 @@ def segmented_recompute(base, ctx: Context, per_segment: int):
         if ordered_planned.peak < planned.peak:
             return ordered, ordered_planned
     return plan, planned
+
+
+def gradient_ordered(planned, ctx: Context, plan: Plan) -> tuple:
+    """(order edges, planned analyzed with them or None): each weight
+    gradient of an analyzed rewritten graph before the input gradient of the
+    same output gradient (order.plan_gradient_order), less the edges `plan`
+    already holds. Raises where the rewrite or its analysis fails.
+
+    The outcome of a composition is finished with them where they plan
+    lower (sntf.planner.finish.gradients_first), and the budget search
+    judges each selection with them (sntf.planner.budget.Selections)."""
+    with ctx.timed("plan_order"):
+        taken = {(o.before, o.after) for o in plan.orders}
+        orders = tuple(o for o in order.plan_gradient_order(planned.index, ctx.device.onednn)
+                       if (o.before, o.after) not in taken)
+        return orders, (ctx.evaluate(Plan(policy=plan.policy, orders=orders), planned)
+                        if orders else None)

@@ -52,7 +52,7 @@ from sntf.planner import budget as budget_planning
 from sntf.planner import heuristics, modes
 from sntf.planner.backward import backward_read_tensors, tensor_name
 from sntf.planner.context import Context
-from sntf.planner.finish import gradient_ordered, gradients_first, pinned
+from sntf.planner.finish import gradients_first, pinned
 from sntf.planner import reasons as R
 from sntf.planner.plan import KEEP, Outcome, Plan, acting, identity_plan, keep, noted
 from sntf.planner.reasons import reason
@@ -171,7 +171,7 @@ class Then:
 
 def _ordered_to_fall(run: _Run, stage: Stage, planned, ctx: Context):
     """A stage's analyzed graph, or where its peak would not fall, that
-    graph with weight gradients first (finish.gradient_ordered) where that
+    graph with weight gradients first (modes.gradient_ordered) where that
     takes it below the current one's.
 
     The executor defers a weight gradient behind the input gradients'
@@ -180,7 +180,7 @@ def _ordered_to_fall(run: _Run, stage: Stage, planned, ctx: Context):
     the end of the backward pass (BENCHMARKS.md, "The swap stage with
     oneDNN off"). The stage's gain then shows only in that order."""
     try:
-        orders, ordered = gradient_ordered(planned, ctx, Plan(policy=stage.kind))
+        orders, ordered = modes.gradient_ordered(planned, ctx, Plan(policy=stage.kind))
     except Exception:  # noqa: BLE001 - optional: the stage is judged as it is
         return planned
     if ordered is None or ordered.peak >= run.current.peak:
