@@ -39,7 +39,8 @@ def gradients_first(outcome: Outcome, ctx: Context) -> Outcome:
     if planned is None:
         return outcome
     try:
-        orders, ordered = gradient_ordered(planned, ctx, outcome.plan)
+        with ctx.timed("plan_order"):
+            orders, ordered = gradient_ordered(planned, ctx, outcome.plan)
     except Exception as e:  # noqa: BLE001 - an optional stage never fails a plan
         return noted(outcome, f"order: gradient edges not applied: "
                                f"{type(e).__name__}: {e}")

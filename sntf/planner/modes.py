@@ -240,10 +240,10 @@ def gradient_ordered(planned, ctx: Context, plan: Plan) -> tuple:
 
     The outcome of a composition is finished with them where they plan
     lower (sntf.planner.finish.gradients_first), and the budget search
-    judges each selection with them (sntf.planner.budget.Selections)."""
-    with ctx.timed("plan_order"):
-        taken = {(o.before, o.after) for o in plan.orders}
-        orders = tuple(o for o in order.plan_gradient_order(planned.index, ctx.device.onednn)
-                       if (o.before, o.after) not in taken)
-        return orders, (ctx.evaluate(Plan(policy=plan.policy, orders=orders), planned)
-                        if orders else None)
+    judges each selection with them (sntf.planner.budget.Selections). Its
+    time counts to the caller's stage."""
+    taken = {(o.before, o.after) for o in plan.orders}
+    orders = tuple(o for o in order.plan_gradient_order(planned.index, ctx.device.onednn)
+                   if (o.before, o.after) not in taken)
+    return orders, (ctx.evaluate(Plan(policy=plan.policy, orders=orders), planned)
+                    if orders else None)

@@ -138,7 +138,7 @@ def ordered_index(plan, index, merged: Optional[frozenset]):
     """
     index = with_control_inputs(index, index_order_inputs(index, plan.orders))
     gave = merge_controls(index, merged) if merged else {}
-    if any(gave.values()):
+    if gave:
         at = index.index
         index = with_control_inputs(index, {at[name]: [at[n] for n in controls]
                                             for name, controls in gave.items()})
