@@ -85,6 +85,9 @@ def train(policy, batch, steps, budget):
         if budgeted:
             result["plan_fits"] = all(r["budget_fits"] for r in budgeted)
             result["planned_peak_bytes"] = budgeted[-1]["planned_peak_bytes"]
+        # One line per training graph: its peaks, and why its plan fits the
+        # budget's target or why none does.
+        result["summary"] = sntf.summary()
     print("RESULT " + json.dumps(result))
 
 
@@ -145,6 +148,12 @@ def main(argv):
     print(f"  identical loss   : {with_sntf['loss'] == base['loss']}   (training "
           f"graphs seen by sntf: {with_sntf['training_graphs']}, actions: "
           f"{', '.join(with_sntf['actions'])})")
+    if not with_sntf.get("plan_fits", True):
+        # The plan must fit a target below the budget: it holds back a
+        # margin for the analysis' error, what the device holds outside the
+        # graph, and the step's largest request for the allocator's
+        # rounding. sntf then applies the lowest plan it found.
+        print("  sntf.summary()   : " + with_sntf["summary"].replace("\n", "\n" + " " * 21))
 
 
 if __name__ == "__main__":
