@@ -89,14 +89,25 @@ def _plan(with_sntf: bool) -> dict:
                                              "lower_bound_bytes")}
 
 
-def run(child: str, name: str, steps: int, limit_mib=None) -> dict:
-    """One fresh process; its RESULT, or how it failed."""
+def run(child: str, name: str, steps: int, limit_mib=None, timeout: float = 1800.0) -> dict:
+    """One fresh process; its RESULT, or how it failed.
+
+    Under a hard limit TensorFlow's allocator can retry an allocation for
+    ever instead of raising ResourceExhaustedError: a run under a limit that
+    outlasts `timeout` seconds is killed and counted as out of memory."""
     env = dict(os.environ, **ENV)
     if limit_mib is not None:
         env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(limit_mib)
     command = [sys.executable, __file__, "--child", child, "--model", name,
                "--steps", str(steps)]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, env=env,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if limit_mib is None:
+            return {"failed": f"no result in {timeout:g} s", "stderr": ""}
+        return {"out_of_memory": f"no result in {timeout:g} s under the limit "
+                                 "(the allocator retrying)", "plan": {}}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
