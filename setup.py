@@ -7,8 +7,9 @@ ABI is tied to it), so install without build isolation:
     pip install --no-build-isolation -e .
 
   * sntf/_sntf_ops.so   custom ops (SnSwapOut/SnSwapIn, SnCacheOut/SnCacheIn,
-                        SnDeviceBytesLimit, SnTensorMemoryType) and the host
-                        tensor pool, loaded with tf.load_op_library;
+                        SnDeviceBytesLimit, SnTensorMemoryType,
+                        SnReserveRegion) and the host tensor pool, loaded
+                        with tf.load_op_library;
   * sntf/_plugin*.so    the Grappler plugin shim: a pybind11 module that also
                         exports TF_InitGraph and links libtensorflow_cc.so.2;
   * sntf/_bfc_model*.so the allocator model's step (sntf.analysis.bfc), a

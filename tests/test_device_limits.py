@@ -2,6 +2,7 @@
 its bytes_limit (a GPU's after memory_limit, the CPU's under a BFC limit),
 for the device the graph is placed on, not a hard-coded GPU:0."""
 
+import textwrap
 import types
 
 import pytest
@@ -397,12 +398,15 @@ def test_the_cpu_bfc_allocator_without_a_limit_sets_none(fresh_python):
     assert result["limit"] is None and result["limits"] and not any(result["limits"])
 
 
-def _regions_outcome(limit_mib: int) -> str:
+def _regions_outcome(limit_mib: int, one_region: bool = False) -> str:
     """What analysis.bfc says of the sequence REGIONS runs in TensorFlow: a
     small allocation at startup, two 20 MiB tensors, the first freed, then
-    one of 40 MiB."""
+    one of 40 MiB; one_region: after the startup region, the rest of the
+    limit is taken as one region (as sntf has the CPU's allocator do)."""
     sim = bfc.BfcModel(limit=limit_mib * MIB)
     sim.allocate(256)
+    if one_region:
+        sim.free(sim.allocate(limit_mib * MIB - sim.reserved))
     first = sim.allocate(20 * MIB)
     sim.allocate(20 * MIB)
     sim.free(first)
@@ -447,6 +451,44 @@ def test_the_allocator_model_agrees_with_tensorflow_under_a_limit(fresh_python, 
                                      "TF_CPU_ALLOCATOR_USE_BFC": "true",
                                      "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(limit_mib)})
     assert run.result() == _regions_outcome(limit_mib)
+
+
+@pytest.mark.parametrize("limit_mib", [80, 100])
+def test_sntf_has_the_cpu_allocator_take_its_limit_as_one_region(fresh_python, limit_mib):
+    """Growing regions fail the 40 MiB request under 100 MiB with 72 MiB in
+    use (above); once sntf has read the limit, the rest of it is one region
+    and the request finds its chunk there. Under 80 MiB the request fails in
+    one region too: the first 20 MiB tensor's chunk is too small for it."""
+    first = textwrap.dedent("""
+        import sntf
+        from sntf.runtime import environment
+        sntf.enable()
+        environment.record_device_limits()
+        region = environment._one_region.get("CPU:0")
+        grows = environment.allocator_grows("CPU:0")
+        """)
+    then = textwrap.dedent(REGIONS).replace(
+        'json.dumps(outcome)', 'json.dumps([outcome, region, grows])')
+    run = fresh_python(first + then,
+        env={"TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPU_ALLOCATOR_USE_BFC": "true",
+             "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(limit_mib)})
+    outcome, region, grows = run.result()
+    assert outcome == _regions_outcome(limit_mib, one_region=True)
+    assert outcome == ("trains" if limit_mib == 100 else "out of memory")
+    assert 0 < region <= limit_mib * MIB and region % 256 == 0 and not grows
+
+
+def test_without_a_limit_set_the_cpu_allocator_keeps_growing(fresh_python):
+    run = fresh_python("""
+        import json
+        import sntf
+        from sntf.runtime import environment
+        sntf.enable()
+        environment.record_device_limits()
+        print("RESULT " + json.dumps([environment._one_region,
+                                      environment.allocator_grows("CPU:0")]))
+        """, env={"TF_CPU_ALLOCATOR_USE_BFC": "true"})
+    assert run.result() == [{}, True]
 
 
 @pytest.mark.slow
@@ -496,6 +538,8 @@ def test_a_gpu_without_memory_growth_is_one_region():
 def test_which_allocators_grow(monkeypatch):
     monkeypatch.delenv("TF_FORCE_GPU_ALLOW_GROWTH", raising=False)
     assert environment.allocator_grows("CPU:0")
+    monkeypatch.setitem(environment._one_region, "CPU:0", 64 * MIB)
+    assert not environment.allocator_grows("/device:CPU:0")
     assert not environment.allocator_grows("/device:GPU:1")
     monkeypatch.setenv("TF_FORCE_GPU_ALLOW_GROWTH", "true")
     assert environment.allocator_grows("GPU:1")

@@ -4,6 +4,8 @@
 //                          device the op runs on (-1: none known)
 //   SnTensorMemoryType(x)  the memory type of x's buffer, as TensorFlow's
 //                          copies see it (Tensor::GetMemoryType)
+//   SnReserveRegion(most)  has the device allocator take what is left of its
+//                          limit as one region, then frees it (CPU only)
 //
 // Python has no equivalent: tf.config.experimental.get_memory_info gives
 // current and peak bytes only, and device_lib.list_local_devices() builds a
@@ -44,6 +46,29 @@ The memory type of x's buffer: "unknown", "device", "host_pageable" or
 host buffers through pinned ones.
 )doc");
 
+REGISTER_OP("SnReserveRegion")
+    .Input("most: int64")
+    .Output("reserved: int64")
+    .SetIsStateful()
+    .SetShapeFn(tensorflow::shape_inference::ScalarShape)
+    .Doc(R"doc(
+Has the allocator of the device this op is placed on take what is left of
+its limit (bytes_limit less the bytes its regions hold, pool_bytes) as one
+more region, by allocating that much once and freeing it.
+
+A BFC allocator that grows (allow_growth, as TensorFlow's CPU BFC allocator
+always does) adds regions of doubling size, the last one capped by what the
+limit leaves, and a chunk never spans two regions: under a limit a request
+can find no region large enough while most of the limit is free. Taken as
+one region before a step runs, the rest of the limit holds any request that
+fits it. The allocator never returns a region, so it keeps the region; on a
+host the pages stay untouched until a tensor uses them.
+
+reserved: the bytes of the new region; 0 where the allocator reports no
+limit or no pool statistics, where nothing is left, or where what is left
+exceeds `most`; -1 where the allocation failed.
+)doc");
+
 class SnDeviceBytesLimitOp : public tensorflow::OpKernel {
  public:
   explicit SnDeviceBytesLimitOp(tensorflow::OpKernelConstruction* ctx)
@@ -63,6 +88,48 @@ class SnDeviceBytesLimitOp : public tensorflow::OpKernel {
     const auto stats = allocator->GetStats();
     if (!stats.has_value() || !stats->bytes_limit.has_value()) return -1;
     return *stats->bytes_limit;
+  }
+};
+
+class SnReserveRegionOp : public tensorflow::OpKernel {
+ public:
+  explicit SnReserveRegionOp(tensorflow::OpKernelConstruction* ctx)
+      : OpKernel(ctx) {}
+
+  void Compute(tensorflow::OpKernelContext* ctx) override {
+    const tensorflow::Tensor& most = ctx->input(0);
+    OP_REQUIRES(ctx, tensorflow::TensorShapeUtils::IsScalar(most.shape()),
+                tensorflow::errors::InvalidArgument("most must be a scalar"));
+    const int64_t reserved = Reserve(ctx, most.scalar<int64_t>()());
+    tensorflow::Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, {}, &out));
+    out->scalar<int64_t>()() = reserved;
+  }
+
+ private:
+  // The BFC allocator's smallest unit: a region is a whole number of them.
+  static constexpr int64_t kUnit = 256;
+
+  static int64_t Reserve(tensorflow::OpKernelContext* ctx, int64_t most) {
+    tensorflow::Allocator* allocator =
+        ctx->device()->GetAllocator(tensorflow::AllocatorAttributes());
+    if (allocator == nullptr) return 0;
+    const auto stats = allocator->GetStats();
+    if (!stats.has_value() || !stats->bytes_limit.has_value() ||
+        !stats->pool_bytes.has_value()) {
+      return 0;
+    }
+    const int64_t rest = (*stats->bytes_limit - *stats->pool_bytes) / kUnit * kUnit;
+    if (rest <= 0 || rest > most) return 0;
+    // No retry: a request the allocator cannot serve fails at once instead
+    // of waiting for memory to be freed.
+    tensorflow::AllocationAttributes attributes;
+    attributes.retry_on_failure = false;
+    void* region = allocator->AllocateRaw(tensorflow::Allocator::kAllocatorAlignment,
+                                          static_cast<size_t>(rest), attributes);
+    if (region == nullptr) return -1;
+    allocator->DeallocateRaw(region);
+    return rest;
   }
 };
 
@@ -107,6 +174,11 @@ REGISTER_KERNEL_BUILDER(
     SnDeviceBytesLimitOp);
 REGISTER_KERNEL_BUILDER(Name("SnTensorMemoryType").Device(DEVICE_CPU),
                         SnTensorMemoryTypeOp);
+// CPU only: a GPU allocator grows only where the user turned memory growth
+// on, so that other processes may share the GPU; taking the rest of its
+// memory would undo that choice.
+REGISTER_KERNEL_BUILDER(Name("SnReserveRegion").Device(DEVICE_CPU),
+                        SnReserveRegionOp);
 
 }  // namespace
 }  // namespace sntf

@@ -25,6 +25,9 @@ _gpu_total: list = []
 # record_device_limits().
 _device_limits: dict = {}
 _memory_growth: dict = {}   # GPU name -> whether memory growth is on
+# Devices whose growing allocator sntf had take the rest of its limit as one
+# region (record_device_limits) -> the bytes of that region.
+_one_region: dict = {}
 _limits_read: list = [False]
 _unread_warned: set = set()   # GPUs whose budget resolved without their limit
 _settings_lock = threading.Lock()
@@ -159,13 +162,16 @@ def allocator_limit(device: str) -> Optional[int]:
 def allocator_grows(device: str) -> bool:
     """Whether the device's BFC allocator grows by regions (allow_growth).
 
-    The CPU's always does. A GPU's takes its whole limit as one region at the
-    first allocation unless memory growth is on: TF_FORCE_GPU_ALLOW_GROWTH,
-    or tf.config.experimental.set_memory_growth (read at fit()).
+    The CPU's always does, unless sntf had it take the rest of its limit as
+    one region (record_device_limits). A GPU's takes its whole limit as one
+    region at the first allocation unless memory growth is on:
+    TF_FORCE_GPU_ALLOW_GROWTH, or tf.config.experimental.set_memory_growth
+    (read at fit()).
     """
     short = _short_device(device)
     if not short.startswith("GPU"):
-        return True
+        with _settings_lock:
+            return short not in _one_region
     if os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH", "").lower() == "true":
         return True
     with _settings_lock:
@@ -227,11 +233,41 @@ def record_device_limits() -> dict:
     except Exception as e:  # noqa: BLE001 - fall back to the device totals
         logger.debug("allocator limits unavailable: %s", e)
         return {}
+    region = _reserve_cpu_region() if "CPU:0" in found else None
     with _settings_lock:
         _device_limits.update(found)
         _memory_growth.update(growth)
+        if region:
+            _one_region["CPU:0"] = region
         _limits_read[0] = True
     return found
+
+
+def _reserve_cpu_region() -> Optional[int]:
+    """Has the CPU's allocator, under the limit the user set, take the rest
+    of it as one region before any step runs (native.reserve_cpu_region).
+
+    It grows by regions of doubling size, the last capped by what the limit
+    leaves, and a chunk never spans two: a step whose peak is well under the
+    limit can still find no region for its largest request (a convolution's
+    scratch). One region is what a GPU's allocator takes without memory
+    growth, and what the device-limit model then plans for. Nothing is taken
+    where more is left than the host's memory: such a limit binds nothing.
+
+    Returns:
+      The bytes of the region taken, or None where none was.
+    """
+    from sntf.runtime import native
+
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        region = native.reserve_cpu_region(host)
+    except Exception as e:  # noqa: BLE001 - then the allocator grows, as without sntf
+        logger.debug("the CPU allocator's limit was not taken as one region: %s", e)
+        return None
+    if region is None:
+        logger.debug("the CPU allocator could not take the rest of its limit as one region")
+    return region or None
 
 
 def _gpu_memory_bytes() -> Optional[int]:

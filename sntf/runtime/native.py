@@ -1,8 +1,8 @@
 """Locates and loads sntf's compiled libraries.
 
 `_sntf_ops*.so` holds the ops (SnSwapOut/SnSwapIn, SnCacheOut/SnCacheIn,
-SnDeviceBytesLimit, SnTensorMemoryType) and the host tensor pool; it is loaded
-once with tf.load_op_library (which registers the ops) and opened a second
+SnDeviceBytesLimit, SnTensorMemoryType, SnReserveRegion) and the host tensor
+pool; it is loaded once with tf.load_op_library (which registers the ops) and opened a second
 time with ctypes for the pool's C API (dlopen returns the same handle, so both
 views share one pool). `_plugin*.so` is the Grappler plugin shim.
 """
@@ -262,6 +262,31 @@ def device_bytes_limit(device: str) -> Optional[int]:
         return None
     value = int(limit.numpy())
     return None if value < 0 else value
+
+
+def reserve_cpu_region(most_bytes: int) -> Optional[int]:
+    """Has the CPU's BFC allocator take what is left of its limit as one
+    region (SnReserveRegion), so that no request that fits the limit finds
+    every region too small.
+
+    It runs a small op eagerly on the CPU, so call it outside Grappler's
+    graph pass, and before the step it is for.
+
+    Args:
+      most_bytes: take nothing where more than this is left (the host's
+        memory: a limit above it binds nothing).
+
+    Returns:
+      The bytes of the new region; 0 where the allocator keeps no limit or
+      pool statistics (TensorFlow's default CPU allocator), nothing is left
+      or more than most_bytes is; None where the allocation failed.
+    """
+    import tensorflow as tf
+
+    module = load_ops()
+    with tf.init_scope(), tf.device("/device:CPU:0"):
+        reserved = int(module.sn_reserve_region(tf.constant(int(most_bytes), tf.int64)))
+    return None if reserved < 0 else reserved
 
 
 def set_async_test_copier(delay_seconds: float = 0.02, fail_next: int = 0) -> None:
