@@ -463,19 +463,23 @@ def test_sntf_has_the_cpu_allocator_take_its_limit_as_one_region(fresh_python, l
         import sntf
         from sntf.runtime import environment
         sntf.enable()
+        import tensorflow as tf
         environment.record_device_limits()
         region = environment._one_region.get("CPU:0")
         grows = environment.allocator_grows("CPU:0")
+        info = tf.config.experimental.get_memory_info("CPU:0")
         """)
     then = textwrap.dedent(REGIONS).replace(
-        'json.dumps(outcome)', 'json.dumps([outcome, region, grows])')
+        'json.dumps(outcome)', 'json.dumps([outcome, region, grows, info])')
     run = fresh_python(first + then,
         env={"TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPU_ALLOCATOR_USE_BFC": "true",
              "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(limit_mib)})
-    outcome, region, grows = run.result()
+    outcome, region, grows, info = run.result()
     assert outcome == _regions_outcome(limit_mib, one_region=True)
     assert outcome == ("trains" if limit_mib == 100 else "out of memory")
     assert 0 < region <= limit_mib * MIB and region % 256 == 0 and not grows
+    # The region, allocated whole for a moment, is not the allocator's peak.
+    assert info["peak"] - info["current"] < MIB, info
 
 
 def test_without_a_limit_set_the_cpu_allocator_keeps_growing(fresh_python):

@@ -62,7 +62,9 @@ limit leaves, and a chunk never spans two regions: under a limit a request
 can find no region large enough while most of the limit is free. Taken as
 one region before a step runs, the rest of the limit holds any request that
 fits it. The allocator never returns a region, so it keeps the region; on a
-host the pages stay untouched until a tensor uses them.
+host the pages stay untouched until a tensor uses them. The allocator's
+statistics are then cleared (Allocator::ClearStats): its peak restarts from
+the bytes in use, not from the moment the region was allocated whole.
 
 reserved: the bytes of the new region; 0 where the allocator reports no
 limit or no pool statistics, where nothing is left, or where what is left
@@ -129,6 +131,10 @@ class SnReserveRegionOp : public tensorflow::OpKernel {
                                           static_cast<size_t>(rest), attributes);
     if (region == nullptr) return -1;
     allocator->DeallocateRaw(region);
+    // The region was in use for a moment: without this the allocator's
+    // peak (get_memory_info's "peak") would read the whole limit. Its
+    // statistics restart from the bytes in use now.
+    allocator->ClearStats();
     return rest;
   }
 };
