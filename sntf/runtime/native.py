@@ -2,9 +2,10 @@
 
 `_sntf_ops*.so` holds the ops (SnSwapOut/SnSwapIn, SnCacheOut/SnCacheIn,
 SnDeviceBytesLimit, SnTensorMemoryType, SnReserveRegion) and the host tensor
-pool; it is loaded once with tf.load_op_library (which registers the ops) and opened a second
-time with ctypes for the pool's C API (dlopen returns the same handle, so both
-views share one pool). `_plugin*.so` is the Grappler plugin shim.
+pool; it is loaded once with tf.load_op_library (which registers the ops) and
+opened a second time with ctypes for the pool's C API (dlopen returns the same
+handle, so both views share one pool). `_plugin*.so` is the Grappler plugin
+shim.
 """
 
 from __future__ import annotations
