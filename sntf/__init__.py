@@ -93,7 +93,7 @@ def enable(policy: str = "auto", budget: config.Budgetish = None,
       **options: see sntf.config.Options (identity_rewrite, batch_size,
         host_pool_limit, max_reports, keep_graphs, recompute_mode,
         swap_min_bytes, link_bandwidth, budget_behaviour, budget_margin,
-        min_gain, pin_order, exact_sums).
+        min_gain, pin_order, exact_sums, progress, one_region).
 
     Raises:
       ValueError: a malformed policy, budget or option value.

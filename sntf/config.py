@@ -98,6 +98,11 @@ class Options:
     # stderr what it is doing, and then what it took (False: nothing; so
     # does a level above WARNING on the "sntf" logger).
     progress: bool = True
+    # Under a CPU limit the user set (TF_CPU_BFC_MEM_LIMIT_IN_MB), have the
+    # allocator take the rest of it as one region when sntf reads the limit,
+    # as a GPU's does without memory growth. False leaves it growing by
+    # regions, where a request can find none large enough under the limit.
+    one_region: bool = True
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
@@ -134,7 +139,8 @@ def parse_options(options: Mapping[str, Any], caller: str = "sntf.enable()"
         raise TypeError(f"{caller} got unknown option(s) {unknown}; "
                         f"accepted options: {', '.join(OPTION_NAMES)}")
     values = dict(options)
-    for flag in ("identity_rewrite", "keep_graphs", "pin_order", "exact_sums", "progress"):
+    for flag in ("identity_rewrite", "keep_graphs", "pin_order", "exact_sums", "progress",
+                 "one_region"):
         if flag in values and not isinstance(values[flag], bool):
             raise ValueError(f"sntf: {flag} must be True or False, got "
                              f"{values[flag]!r}")

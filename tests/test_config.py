@@ -456,7 +456,7 @@ def test_option_names():
                                    "recompute_mode", "swap_min_bytes",
                                    "link_bandwidth", "budget_behaviour",
                                    "budget_margin", "min_gain", "pin_order",
-                                   "exact_sums", "progress")
+                                   "exact_sums", "progress", "one_region")
 
 
 def test_parse_options_values():
@@ -486,6 +486,13 @@ def test_pin_order_takes_a_bool_only():
         config.parse_options({"pin_order": "no"})
 
 
+def test_one_region_takes_a_bool_only():
+    assert config.parse_options({}).one_region is True
+    assert config.parse_options({"one_region": False}).one_region is False
+    with pytest.raises(ValueError, match=r"sntf: one_region must be True or False, got 0"):
+        config.parse_options({"one_region": 0})
+
+
 def test_max_reports_bounds():
     assert config.parse_options({"max_reports": config.MAX_REPORTS}).max_reports == \
         config.MAX_REPORTS
@@ -500,7 +507,8 @@ def test_parse_options_unknown_key():
         "sntf.enable() got unknown option(s) ['alpha', 'zeta']; accepted "
         "options: identity_rewrite, batch_size, host_pool_limit, max_reports, "
         "keep_graphs, recompute_mode, swap_min_bytes, link_bandwidth, "
-        "budget_behaviour, budget_margin, min_gain, pin_order, exact_sums, progress")
+        "budget_behaviour, budget_margin, min_gain, pin_order, exact_sums, progress, "
+        "one_region")
 
 
 @pytest.mark.parametrize("options, fragment", [

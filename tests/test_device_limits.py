@@ -482,16 +482,19 @@ def test_sntf_has_the_cpu_allocator_take_its_limit_as_one_region(fresh_python, l
     assert info["peak"] - info["current"] < MIB, info
 
 
-def test_without_a_limit_set_the_cpu_allocator_keeps_growing(fresh_python):
-    run = fresh_python("""
+@pytest.mark.parametrize("limit, options", [(None, ""), ("100", "one_region=False")])
+def test_without_a_limit_set_or_with_one_region_off_the_allocator_keeps_growing(
+        fresh_python, limit, options):
+    run = fresh_python(f"""
         import json
         import sntf
         from sntf.runtime import environment
-        sntf.enable()
+        sntf.enable({options})
         environment.record_device_limits()
         print("RESULT " + json.dumps([environment._one_region,
                                       environment.allocator_grows("CPU:0")]))
-        """, env={"TF_CPU_ALLOCATOR_USE_BFC": "true"})
+        """, env={"TF_CPU_ALLOCATOR_USE_BFC": "true",
+                  **({"TF_CPU_BFC_MEM_LIMIT_IN_MB": limit} if limit else {})})
     assert run.result() == [{}, True]
 
 

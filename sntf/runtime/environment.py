@@ -233,7 +233,9 @@ def record_device_limits() -> dict:
     except Exception as e:  # noqa: BLE001 - fall back to the device totals
         logger.debug("allocator limits unavailable: %s", e)
         return {}
-    region = _reserve_cpu_region() if "CPU:0" in found else None
+    region = None
+    if "CPU:0" in found and _one_region_asked():
+        region = _reserve_cpu_region()
     with _settings_lock:
         _device_limits.update(found)
         _memory_growth.update(growth)
@@ -241,6 +243,13 @@ def record_device_limits() -> dict:
             _one_region["CPU:0"] = region
         _limits_read[0] = True
     return found
+
+
+def _one_region_asked() -> bool:
+    """The one_region option of the switch state now (enable()'s)."""
+    from sntf import config
+
+    return config.current().options.one_region
 
 
 def _reserve_cpu_region() -> Optional[int]:
