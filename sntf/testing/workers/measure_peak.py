@@ -120,6 +120,9 @@ def _parser():
     parser.add_argument("--pin-order", default="on", choices=("on", "off"),
                         help="sntf's pin_order option: chain the memory-heavy "
                         "ops of a rewritten graph in the planned order")
+    parser.add_argument("--one-region", default="on", choices=("on", "off"),
+                        help="sntf's one_region option: under a CPU limit, the "
+                        "allocator takes the rest of it as one region")
     parser.add_argument("--eager", action="store_true",
                         help="compile(run_eagerly=True): no graph, so no sntf pass")
     parser.add_argument("--out", default=None)
@@ -200,6 +203,7 @@ def _run(args):
 
         options = {"recompute_mode": args.recompute_mode} if args.recompute_mode else {}
         options["pin_order"] = args.pin_order == "on"
+        options["one_region"] = args.one_region == "on"
         budget = int(args.budget) if args.budget and args.budget.isdigit() else args.budget
         sntf.enable(policy=args.policy, budget=budget, batch_size=args.batch, **options)
     models = _model_source(args, sntf is not None)
@@ -345,7 +349,7 @@ def main(argv=None):
 def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
             timeout=900, repeats=1, executor="default", input="dataset",
             recompute_mode=None, remat=None, budget=None, eager=False,
-            settings="lab", limit_mib=None, pin_order=True):
+            settings="lab", limit_mib=None, pin_order=True, one_region=True):
     """Runs this worker in a fresh Python process (sys.executable) and returns
     its result dict, with wall_seconds added.
 
@@ -361,7 +365,9 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
 
     limit_mib, when given, is a hard limit on the CPU allocator
     (TF_CPU_BFC_MEM_LIMIT_IN_MB): a step that needs more raises
-    ResourceExhaustedError and the worker fails (RuntimeError here).
+    ResourceExhaustedError and the worker fails (RuntimeError here);
+    one_region=False leaves the allocator growing by regions under it
+    (sntf's one_region option).
 
     Raises:
       RuntimeError: the worker failed or printed no RESULT line (the message
@@ -372,7 +378,7 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
                         executor=executor, input=input,
                         recompute_mode=recompute_mode, remat=remat, budget=budget,
                         eager=eager, settings=settings, limit_mib=limit_mib,
-                        pin_order=pin_order)
+                        pin_order=pin_order, one_region=one_region)
                 for _ in range(repeats)]
         peaks = [r["measured_peak_bytes"] for r in runs]
         chosen = dict(sorted(runs, key=lambda r: r["measured_peak_bytes"])[len(runs) // 2])
@@ -388,7 +394,8 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
     command = [sys.executable, os.path.abspath(__file__), "--family", family,
                "--batch", str(batch), "--steps", str(steps), "--policy", policy,
                "--seed", str(seed), "--executor", executor, "--input", input,
-               "--settings", settings, "--pin-order", "on" if pin_order else "off"]
+               "--settings", settings, "--pin-order", "on" if pin_order else "off",
+               "--one-region", "on" if one_region else "off"]
     if depth is not None:
         command += ["--depth", str(depth)]
     if recompute_mode is not None:
