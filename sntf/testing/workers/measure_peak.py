@@ -346,6 +346,23 @@ def main(argv=None):
     return 0
 
 
+def _median_run(runs: list) -> dict:
+    """Of identical runs' results, the run with the median measured peak,
+    with every run's peaks, wall seconds and step seconds added, its peak
+    spread (max/min - 1) and the median step seconds (measure's repeats)."""
+    peaks = [r["measured_peak_bytes"] for r in runs]
+    chosen = dict(sorted(runs, key=lambda r: r["measured_peak_bytes"])[len(runs) // 2])
+    chosen["measured_peaks_bytes"] = peaks
+    chosen["peak_spread"] = max(peaks) / min(peaks) - 1.0 if min(peaks) else None
+    chosen["wall_seconds_all"] = [r["wall_seconds"] for r in runs]
+    times = sorted(r["seconds_per_step"] for r in runs
+                   if r["seconds_per_step"] is not None)
+    chosen["seconds_per_step_all"] = [r["seconds_per_step"] for r in runs]
+    if times:
+        chosen["seconds_per_step"] = times[len(times) // 2]
+    return chosen
+
+
 def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
             timeout=900, repeats=1, executor="default", input="dataset",
             recompute_mode=None, remat=None, budget=None, eager=False,
@@ -380,17 +397,7 @@ def measure(family, batch, steps=2, policy="off", depth=None, seed=1234,
                         eager=eager, settings=settings, limit_mib=limit_mib,
                         pin_order=pin_order, one_region=one_region)
                 for _ in range(repeats)]
-        peaks = [r["measured_peak_bytes"] for r in runs]
-        chosen = dict(sorted(runs, key=lambda r: r["measured_peak_bytes"])[len(runs) // 2])
-        chosen["measured_peaks_bytes"] = peaks
-        chosen["peak_spread"] = max(peaks) / min(peaks) - 1.0 if min(peaks) else None
-        chosen["wall_seconds_all"] = [r["wall_seconds"] for r in runs]
-        times = sorted(r["seconds_per_step"] for r in runs
-                       if r["seconds_per_step"] is not None)
-        chosen["seconds_per_step_all"] = [r["seconds_per_step"] for r in runs]
-        if times:
-            chosen["seconds_per_step"] = times[len(times) // 2]
-        return chosen
+        return _median_run(runs)
     command = [sys.executable, os.path.abspath(__file__), "--family", family,
                "--batch", str(batch), "--steps", str(steps), "--policy", policy,
                "--seed", str(seed), "--executor", executor, "--input", input,
